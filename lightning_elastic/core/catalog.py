@@ -1,0 +1,209 @@
+"""What checkpoints a root directory holds, and in which state.
+
+Status words (also printed by the CLI):
+
+* ``valid``: a complete, parseable manifest and no quarantine record (checksums are checked
+  separately by :mod:`~lightning_elastic.core.integrity`);
+* ``corrupt``: the manifest is unparseable or inconsistent, or the checkpoint was quarantined
+  after a failed verification; it is never selected and never deleted automatically;
+* ``incomplete``: no manifest (a save in flight, or one that crashed): not a checkpoint for
+  loading or retention; leftovers of this run are cleaned after the next successful commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+from lightning_elastic.core.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    STAGING_FILE,
+    Manifest,
+    QuarantineRecord,
+    StagingRecord,
+)
+from lightning_elastic.core.storage import Entry, Storage
+from lightning_elastic.errors import (
+    CheckpointNotFoundError,
+    ManifestError,
+    StorageError,
+    UnsupportedFormatError,
+)
+
+__all__ = ["CORRUPT", "INCOMPLETE", "VALID", "Catalog", "CheckpointInfo", "checkpoint_name"]
+
+log = logging.getLogger(__name__)
+
+VALID = "valid"
+CORRUPT = "corrupt"
+INCOMPLETE = "incomplete"
+_NAME = re.compile(r"^step_(\d+)(?:-(\d+))?$")
+
+
+def checkpoint_name(step: int, attempt: int = 0) -> str:
+    """``step_000000100``; a second checkpoint at the same step gets ``-1``, ``-2``, ..."""
+    return f"step_{step:09d}" if attempt == 0 else f"step_{step:09d}-{attempt}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory as seen by a scan."""
+
+    name: str
+    location: str
+    status: str
+    manifest: Manifest | None = None
+    problem: str | None = None
+    staging: StagingRecord | None = None
+    quarantine: QuarantineRecord | None = None
+    unsupported: bool = False  # written by a newer lightning_elastic: not corrupt, unreadable
+
+    @property
+    def step(self) -> int | None:
+        if self.manifest is not None:
+            return self.manifest.step
+        if self.staging is not None:
+            return self.staging.step
+        match = _NAME.match(self.name)
+        return int(match.group(1)) if match else None
+
+    @property
+    def run_id(self) -> str | None:
+        if self.manifest is not None:
+            return self.manifest.run_id
+        return self.staging.run_id if self.staging is not None else None
+
+    @property
+    def created_unix(self) -> float:
+        if self.manifest is not None:
+            return self.manifest.created_unix
+        return self.staging.created_unix if self.staging is not None else 0.0
+
+    def sort_key(self) -> tuple[int, float, str]:
+        return (self.step if self.step is not None else -1, self.created_unix, self.name)
+
+    def to_json(self) -> dict[str, object]:
+        m = self.manifest
+        return {
+            "name": self.name,
+            "path": self.location,
+            "status": self.status,
+            "step": self.step,
+            "epoch": m.epoch if m else None,
+            "world_size": m.world_size if m else None,
+            "run_id": self.run_id,
+            "bytes": m.total_bytes if m else None,
+            "created": _iso(self.created_unix) if self.created_unix else None,
+            "problem": self.problem,
+        }
+
+
+class Catalog:
+    """Scans ``storage`` (the checkpoint root). Parsed manifests are cached by name and size,
+    since a committed manifest never changes."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._manifests: dict[tuple[str, int], Manifest] = {}
+
+    def scan(self) -> list[CheckpointInfo]:
+        """Every checkpoint-like directory, oldest first (by step, then creation time)."""
+        infos = []
+        for entry in self.storage.listdir():
+            if entry.is_dir and not entry.name.startswith("."):
+                info = self._inspect(entry.name, self.storage.listdir(entry.name))
+                if info is not None:
+                    infos.append(info)
+        return sorted(infos, key=CheckpointInfo.sort_key)
+
+    def info(self, name: str) -> CheckpointInfo:
+        entries = self.storage.listdir(name)
+        info = self._inspect(name, entries)
+        if info is None:
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {self.storage.display(name)}: the directory is empty or missing"
+            )
+        return info
+
+    def valid(self) -> list[CheckpointInfo]:
+        """Valid checkpoints, newest first."""
+        return [i for i in reversed(self.scan()) if i.status == VALID]
+
+    def forget(self, name: str) -> None:
+        self._manifests = {k: v for k, v in self._manifests.items() if k[0] != name}
+
+    def quarantine(self, name: str, file: str, reason: str) -> None:
+        """Mark ``name`` corrupt (kept on storage for inspection, never selected again)."""
+        record = QuarantineRecord(file=file, reason=reason, quarantined_unix=time.time())
+        self.storage.write_bytes(f"{name}/{QUARANTINE_FILE}", record.to_json().encode())
+        log.warning("quarantined checkpoint %s: %s: %s", self.storage.display(name), file, reason)
+
+    def _inspect(self, name: str, entries: list[Entry]) -> CheckpointInfo | None:
+        files = {e.name: e for e in entries if not e.is_dir}
+        if not files:
+            return None
+        location = self.storage.display(name)
+        staging = self._read_staging(name) if STAGING_FILE in files else None
+        quarantine = None
+        if QUARANTINE_FILE in files:
+            quarantine = QuarantineRecord.from_json(
+                self._read(f"{name}/{QUARANTINE_FILE}"), location
+            )
+        if MANIFEST_FILE not in files:
+            return CheckpointInfo(
+                name,
+                location,
+                INCOMPLETE,
+                problem="no manifest (save in flight or crashed)",
+                staging=staging,
+            )
+        try:
+            manifest = self._read_manifest(name, files[MANIFEST_FILE].size)
+        except UnsupportedFormatError as exc:
+            return CheckpointInfo(
+                name, location, CORRUPT, problem=str(exc), staging=staging, unsupported=True
+            )
+        except ManifestError as exc:
+            return CheckpointInfo(name, location, CORRUPT, problem=str(exc), staging=staging)
+        if quarantine is not None:
+            problem = f"quarantined: {quarantine.file}: {quarantine.reason}"
+            return CheckpointInfo(name, location, CORRUPT, manifest, problem, staging, quarantine)
+        return CheckpointInfo(name, location, VALID, manifest, staging=staging)
+
+    def manifest(self, name: str) -> Manifest:
+        """The parsed manifest of ``name``; raises if missing or malformed."""
+        if not self.storage.exists(f"{name}/{MANIFEST_FILE}"):
+            raise CheckpointNotFoundError(
+                f"{self.storage.display(name)} has no {MANIFEST_FILE}: it is not a committed "
+                "checkpoint (a save that never finished, or not a checkpoint at all)"
+            )
+        return self._read_manifest(name, self.storage.size(f"{name}/{MANIFEST_FILE}"))
+
+    def _read_manifest(self, name: str, size: int) -> Manifest:
+        cached = self._manifests.get((name, size))
+        if cached is not None:
+            return cached
+        rel = f"{name}/{MANIFEST_FILE}"
+        manifest = Manifest.from_json(self._read(rel), self.storage.display(rel))
+        if manifest.name != name.rsplit("/", 1)[-1]:
+            # A copied or renamed directory is fine; note it but keep using the data.
+            log.debug("checkpoint %s was saved as %s", name, manifest.name)
+        self._manifests[(name, size)] = manifest
+        return manifest
+
+    def _read_staging(self, name: str) -> StagingRecord | None:
+        rel = f"{name}/{STAGING_FILE}"
+        try:
+            return StagingRecord.from_json(self._read(rel), self.storage.display(rel))
+        except (ManifestError, StorageError):
+            return None
+
+    def _read(self, rel: str) -> bytes:
+        return self.storage.read_bytes(rel)
+
+
+def _iso(unix: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))

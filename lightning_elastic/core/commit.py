@@ -1,0 +1,155 @@
+"""Two-phase commit of one save, coordinated through the c10d store.
+
+Protocol for save ``S`` (every rank runs it in its background writer, after its own write):
+
+1. every rank ``report(S, r, report)``: ``ok`` with its file's size/checksum and DCP write
+   results, or its failure (phase and message);
+2. rank 0 ``collect(S)`` waits for all reports until the deadline; missing ranks are named;
+3. rank 0 writes ``dcp_metadata.json`` then ``manifest.json`` (exclusive create), only if
+   every report is ``ok``; then ``publish(S, decision)``;
+4. ranks != 0 ``await_decision(S)`` until the deadline plus a grace period, so rank 0's
+   verdict (which names the guilty rank) normally arrives first;
+5. every rank ``ack(S)``; the last one removes the keys.
+
+The store is used instead of gloo collectives because it is safe from a background thread
+while the training thread runs its own collectives, and because a wait on a key can name the
+rank that never wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_elastic.errors import CheckpointSaveError, CheckpointTimeoutError, RankFailure
+
+__all__ = ["CommitChannel", "Decision"]
+
+_POLL_MIN_S = 0.002
+_POLL_MAX_S = 0.05
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's verdict on one save."""
+
+    committed: bool
+    failures: tuple[RankFailure, ...] = ()
+    missing: tuple[int, ...] = ()
+    timeout_s: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "committed": self.committed,
+                "failures": [f.to_json() for f in self.failures],
+                "missing": list(self.missing),
+                "timeout_s": self.timeout_s,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Decision:
+        data = json.loads(raw)
+        return cls(
+            committed=bool(data["committed"]),
+            failures=tuple(RankFailure.from_json(f) for f in data["failures"]),
+            missing=tuple(int(r) for r in data["missing"]),
+            timeout_s=float(data["timeout_s"]),
+        )
+
+    def error(self, checkpoint: str) -> CheckpointSaveError:
+        if self.missing:
+            return CheckpointTimeoutError(
+                checkpoint, "commit", self.missing, self.timeout_s, self.failures
+            )
+        return CheckpointSaveError(checkpoint, self.failures)
+
+
+class CommitChannel:
+    """Reports and decisions of saves, exchanged through ``store`` under ``namespace``."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        namespace: str,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+        self.timeout_s = timeout_s  # only for messages; deadlines are passed per call
+        self.clock = clock
+        self.sleep = sleep
+
+    def _key(self, save_id: str, *parts: object) -> str:
+        return "/".join([self.namespace, "save", save_id, *(str(p) for p in parts)])
+
+    def report(self, save_id: str, report: Mapping[str, Any]) -> None:
+        self.store.set(self._key(save_id, "report", self.rank), json.dumps(report).encode())
+        self.store.add(self._key(save_id, "reported"), 1)
+
+    def collect(self, save_id: str, deadline: float, checkpoint: str) -> dict[int, dict[str, Any]]:
+        """Rank 0: every rank's report, or :class:`CheckpointTimeoutError` naming the missing."""
+        counter = self._key(save_id, "reported")
+        delay = _POLL_MIN_S
+        while self.store.add(counter, 0) < self.world_size:
+            if self.clock() >= deadline:
+                missing = self.missing_reports(save_id)
+                if missing:
+                    raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
+                break
+            self.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        keys = [self._key(save_id, "report", r) for r in range(self.world_size)]
+        raw = self.store.multi_get(keys)
+        return {r: json.loads(value) for r, value in enumerate(raw)}
+
+    def missing_reports(self, save_id: str) -> list[int]:
+        return [
+            r
+            for r in range(self.world_size)
+            if not self.store.check([self._key(save_id, "report", r)])
+        ]
+
+    def publish(self, save_id: str, decision: Decision) -> None:
+        self.store.set(self._key(save_id, "decision"), decision.to_json())
+
+    def await_decision(self, save_id: str, deadline: float, checkpoint: str) -> Decision:
+        """Ranks != 0: rank 0's decision, or a timeout naming the ranks that never reported
+        (rank 0 included when it is the one that went silent)."""
+        key = self._key(save_id, "decision")
+        while True:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                missing = self.missing_reports(save_id) or [0]
+                raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
+            try:
+                self.store.wait([key], timedelta(seconds=min(remaining, 1.0)))
+            except Exception:  # the store's own timeout: loop and re-check our deadline
+                continue
+            return Decision.from_json(self.store.get(key))
+
+    def ack(self, save_id: str) -> None:
+        """Called by every rank once it is done with ``save_id``; the last one cleans up."""
+        done = self.store.add(self._key(save_id, "acks"), 1)
+        if done >= self.world_size:
+            keys = [self._key(save_id, "report", r) for r in range(self.world_size)]
+            keys += [self._key(save_id, name) for name in ("reported", "decision", "acks")]
+            for key in keys:
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # best effort: a store without deletes just keeps them
+                    break

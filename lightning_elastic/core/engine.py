@@ -1,0 +1,357 @@
+"""The checkpoint engine: stage -> write (DCP planning) -> commit, one save in flight.
+
+Which rank calls what: construct, :meth:`CheckpointEngine.save`, :meth:`~CheckpointEngine.load`,
+:meth:`~CheckpointEngine.wait` and :meth:`~CheckpointEngine.close` are called by every rank of
+the group, in the same order, from the training thread. ``save`` returns as soon as this
+rank's bytes are staged (async) or after the commit (sync); the write and the commit run in
+one background thread per rank. A failure anywhere surfaces on every rank as the same typed
+error at the next ``save``/``wait``/``close`` (or from the handle's ``result()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from lightning_elastic.core.catalog import Catalog, CheckpointInfo
+from lightning_elastic.core.checksum import DEFAULT_ALGORITHM, new_hasher
+from lightning_elastic.core.commit import CommitChannel
+from lightning_elastic.core.coordinator import Coordinator
+from lightning_elastic.core.integrity import check_verify_mode
+from lightning_elastic.core.loader import (
+    RANK_LOCAL_KEY,
+    LoadResult,
+    load_checkpoint,
+    select_checkpoint,
+)
+from lightning_elastic.core.manifest import check_json_safe
+from lightning_elastic.core.retention import RetentionPolicy
+from lightning_elastic.core.saver import (
+    SaveContext,
+    SaveRequest,
+    SaveResult,
+    finish_save,
+    plan_save,
+    stage_save,
+)
+from lightning_elastic.core.shardio import check_compression
+from lightning_elastic.core.staging import StagingArena
+from lightning_elastic.core.storage import Storage
+from lightning_elastic.errors import CheckpointNotFoundError, ConfigError
+
+__all__ = ["WHEN_BUSY", "CheckpointEngine", "SaveHandle"]
+
+log = logging.getLogger(__name__)
+WHEN_BUSY = ("wait", "skip")
+
+
+class SaveHandle:
+    """A save that was started; :meth:`result` waits for its commit (or raises its error)."""
+
+    def __init__(self, future: Future[SaveResult], name: str, step: int, blocked_s: float) -> None:
+        self._future = future
+        self.name = name
+        self.step = step
+        self.blocked_s = blocked_s
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"SaveHandle({self.name!r}, step={self.step}, {state})"
+
+
+class CheckpointEngine:
+    """Sharded, asynchronous, two-phase-committed checkpoints under one root directory.
+
+    Args:
+        root: local directory or fsspec URL holding the checkpoints.
+        storage_options: fsspec options (credentials, endpoint_url, ...).
+        storage: a ready :class:`Storage` (overrides ``root``/``storage_options``).
+        coordinator: a ready :class:`Coordinator`; by default one is created collectively,
+            with a dedicated gloo group, from the initialized default process group.
+        process_group: the group to checkpoint over (default: a new gloo group over all ranks).
+        run_id: identifies this run's checkpoints (retention only touches its own); rank 0's
+            value, or a fresh one, is adopted by all ranks.
+        async_save: stage and return, writing in the background (``True``), or write and
+            commit before returning (``False``).
+        when_busy: a save requested while another is in flight ``"wait"``s for it, or is
+            ``"skip"``ped (decided by all ranks together, so all skip or none).
+        compression: ``None`` or ``"zstd"`` (one frame per item, DCP's ``stream.zstd`` format).
+        checksum: algorithm for the manifest's checksums (``"xxh3_64"``, ``"crc32"``, ...).
+        retention: policies (``KeepLastN`` ...) applied by rank 0 after each durable commit.
+        timeout: how long ranks wait for each other in a save or load before raising
+            :class:`~lightning_elastic.errors.CheckpointTimeoutError`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        storage: Storage | None = None,
+        coordinator: Coordinator | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        run_id: str | None = None,
+        async_save: bool = True,
+        when_busy: str = "wait",
+        compression: str | None = None,
+        checksum: str = DEFAULT_ALGORITHM,
+        retention: Sequence[RetentionPolicy] = (),
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
+        if storage is None:
+            if root is None:
+                raise ConfigError("CheckpointEngine needs a root directory or a storage")
+            storage = Storage(root, storage_options=storage_options)
+        if when_busy not in WHEN_BUSY:
+            raise ConfigError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
+        if timeout.total_seconds() <= 0:
+            raise ConfigError(f"timeout must be positive, got {timeout}")
+        check_compression(compression)
+        new_hasher(checksum)  # validates the name
+        self.storage = storage
+        self.async_save = async_save
+        self.when_busy = when_busy
+        self.coordinator = coordinator or Coordinator.from_environment(
+            timeout=timeout, process_group=process_group
+        )
+        coord = self.coordinator
+        agreed_run_id = coord.broadcast("init", lambda: run_id or uuid.uuid4().hex[:12])
+        self.catalog = Catalog(storage)
+        self._ctx = SaveContext(
+            storage=storage,
+            catalog=self.catalog,
+            coordinator=coord,
+            channel=CommitChannel(
+                coord.store,
+                rank=coord.rank,
+                world_size=coord.world_size,
+                namespace=coord.key("commit"),
+                timeout_s=timeout.total_seconds(),
+            ),
+            run_id=agreed_run_id,
+            checksum=checksum,
+            compression=compression,
+            timeout_s=timeout.total_seconds(),
+            arena=StagingArena(pin_memory=torch.cuda.is_available()),
+            retention=tuple(retention),
+        )
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        return self.coordinator.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    @property
+    def run_id(self) -> str:
+        return self._ctx.run_id
+
+    @property
+    def resumed_from(self) -> str | None:
+        return self._ctx.resumed_from
+
+    @property
+    def arena(self) -> StagingArena:
+        return self._ctx.arena
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        epoch: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        overwrite: bool = False,
+        blocking: bool | None = None,
+    ) -> SaveHandle | None:
+        """Save ``state`` (identical keys on every rank) as the checkpoint of ``step``.
+
+        ``state`` values may be tensors, DTensors, nested dicts/lists, ``Stateful`` objects or
+        picklable objects; replicated entries are written once. ``rank_state`` is kept per rank
+        (RNG states, data position): each rank gets its own back from :meth:`load`.
+        ``metadata`` must be JSON-safe and lands in the manifest, as do ``metrics`` (used by
+        ``KeepBestK``). Returns ``None`` when skipped because a save is in flight
+        (``when_busy="skip"``), else a handle; with ``blocking`` (default: not ``async_save``)
+        the handle is already committed.
+        """
+        self._check_open()
+        called = time.monotonic()
+        if not self._ready_for_new_save():
+            return None
+        request = self._request(step, epoch, metrics, metadata, name, overwrite)
+        state_dict = _to_state_dict(state)
+        if RANK_LOCAL_KEY in state_dict:
+            raise ConfigError(f"the state key {RANK_LOCAL_KEY!r} is reserved")
+        if rank_state is not None:
+            state_dict[RANK_LOCAL_KEY] = {str(self.rank): _to_state_dict(rank_state)}
+        planned = plan_save(self._ctx, state_dict, request)
+        is_blocking = (not self.async_save) if blocking is None else blocking
+        stage_start = time.monotonic()
+        payload = stage_save(self._ctx, planned, copy=not is_blocking)
+        staging_s = time.monotonic() - stage_start
+        future: Future[SaveResult]
+        if is_blocking:
+            future = Future()
+            try:
+                blocked = time.monotonic() - called
+                future.set_result(finish_save(self._ctx, planned, payload, blocked, staging_s))
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            return SaveHandle(future, planned.name, step, time.monotonic() - called)
+        blocked_s = time.monotonic() - called
+        future = self._writer().submit(
+            finish_save, self._ctx, planned, payload, blocked_s, staging_s
+        )
+        self._inflight = SaveHandle(future, planned.name, step, blocked_s)
+        return self._inflight
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the save in flight; raise its error (once) if it failed."""
+        handle, self._inflight = self._inflight, None
+        return None if handle is None else handle.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error) and release threads and buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._ctx.arena.release()
+
+    def __enter__(self) -> CheckpointEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ loading
+
+    def latest(self, *, verify: str = "full") -> CheckpointInfo | None:
+        """The newest valid checkpoint (collective; corrupt ones are quarantined), or None."""
+        check_verify_mode(verify)
+        return select_checkpoint(self.storage, self.catalog, self.coordinator, None, verify)
+
+    def load(
+        self,
+        state: dict[str, Any],
+        *,
+        checkpoint: str | None = None,
+        verify: str = "full",
+        strict: bool = True,
+        adopt_run: bool = True,
+    ) -> LoadResult:
+        """Load into ``state`` in place, at this world size (DCP reshards as needed).
+
+        ``checkpoint`` names a directory under the root; by default the newest valid one is
+        used, walking back past corrupt ones. With ``adopt_run`` this engine continues the
+        checkpoint's run id, and the checkpoint is protected from retention.
+        """
+        self._check_open()
+        check_verify_mode(verify)
+        if self._inflight is not None:
+            self.wait()
+        start = time.monotonic()
+        info = select_checkpoint(self.storage, self.catalog, self.coordinator, checkpoint, verify)
+        if info is None:
+            raise CheckpointNotFoundError(
+                f"no valid checkpoint in {self.storage.display()}; start without resuming "
+                "or point to a directory holding committed checkpoints"
+            )
+        result = load_checkpoint(
+            self.storage,
+            self.coordinator,
+            info,
+            state,
+            strict=strict,
+            verify_s=time.monotonic() - start,
+        )
+        self._ctx.resumed_from = info.name
+        self._ctx.protected.add(info.name)
+        if adopt_run and info.run_id:
+            self._ctx.run_id = info.run_id
+        log.info("loaded checkpoint %s (step %s)", info.location, info.step)
+        return result
+
+    def list(self) -> list[CheckpointInfo]:
+        """All checkpoint directories under the root, oldest first (local, not collective)."""
+        return self.catalog.scan()
+
+    # ------------------------------------------------------------------ internals
+
+    def _ready_for_new_save(self) -> bool:
+        handle = self._inflight
+        if handle is None:
+            return True
+        if self.when_busy == "skip" and not self.coordinator.all(handle.done(), "save/busy"):
+            log.info("skipping a save: %r is still in flight on some rank", handle)
+            return False
+        self._inflight = None
+        handle.result()  # raises the previous save's error, on every rank
+        return True
+
+    def _request(
+        self,
+        step: int,
+        epoch: int | None,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+        name: str | None,
+        overwrite: bool,
+    ) -> SaveRequest:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        try:
+            check_json_safe(metadata or {}, "metadata")
+            clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
+            check_json_safe(clean_metrics, "metrics")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from exc
+        return SaveRequest(step, epoch, clean_metrics, dict(metadata or {}), name, overwrite)
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning-elastic-writer")
+        return self._executor
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this CheckpointEngine is closed")
+
+
+def _to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy with every ``Stateful`` value replaced by its ``state_dict()``."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}

@@ -1,0 +1,90 @@
+"""Verification of a checkpoint against its manifest.
+
+Modes: ``"full"`` re-reads every file and compares size and checksum; ``"size"`` checks that
+every file is present with the recorded size (one listing); ``"none"`` trusts the manifest.
+The functions here are pure over a :class:`Storage`; spreading files over ranks and
+quarantining is the caller's business (see :mod:`~lightning_elastic.core.loader`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_elastic.core.manifest import FileRecord, Manifest
+from lightning_elastic.core.storage import Storage
+from lightning_elastic.errors import ConfigError, IntegrityError, StorageNotFoundError
+
+__all__ = ["VERIFY_MODES", "Problem", "check_verify_mode", "raise_first", "verify_files"]
+
+VERIFY_MODES = ("full", "size", "none")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One file that does not match the manifest."""
+
+    file: str
+    reason: str
+
+
+def check_verify_mode(mode: str) -> str:
+    if mode not in VERIFY_MODES:
+        raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {mode!r}")
+    return mode
+
+
+def verify_files(
+    storage: Storage,
+    manifest: Manifest,
+    mode: str,
+    files: Sequence[FileRecord] | None = None,
+) -> list[Problem]:
+    """Check ``files`` (default: all of the manifest's) of the checkpoint at ``storage``."""
+    check_verify_mode(mode)
+    records = manifest.files if files is None else files
+    if mode == "none" or not records:
+        return []
+    if mode == "size":
+        sizes = {e.name: e.size for e in storage.listdir() if not e.is_dir}
+        problems = []
+        for record in records:
+            if record.path not in sizes:
+                problems.append(Problem(record.path, "file is missing"))
+            elif sizes[record.path] != record.size:
+                problems.append(
+                    Problem(
+                        record.path,
+                        f"size is {sizes[record.path]} bytes, the manifest says {record.size}",
+                    )
+                )
+        return problems
+    problems = []
+    for record in records:
+        try:
+            digest = storage.hash_file(record.path, manifest.checksum_algorithm)
+        except StorageNotFoundError:
+            problems.append(Problem(record.path, "file is missing"))
+            continue
+        if digest.size != record.size:
+            problems.append(
+                Problem(
+                    record.path, f"size is {digest.size} bytes, the manifest says {record.size}"
+                )
+            )
+        elif digest.checksum != record.checksum:
+            problems.append(
+                Problem(
+                    record.path,
+                    f"{manifest.checksum_algorithm} checksum is {digest.checksum}, "
+                    f"the manifest says {record.checksum}",
+                )
+            )
+    return problems
+
+
+def raise_first(location: str, problems: Sequence[Problem]) -> None:
+    """Raise :class:`IntegrityError` for the first problem, if any."""
+    if problems:
+        first = sorted(problems, key=lambda p: p.file)[0]
+        raise IntegrityError(location, first.file, first.reason)

@@ -1,0 +1,237 @@
+"""Choosing, verifying and loading a checkpoint, at any world size.
+
+Which rank calls what: every function here is called by all ranks together. Rank 0 lists the
+checkpoints and broadcasts the candidates (so every rank considers the same ones); the files
+of a candidate are verified in parallel (file ``i`` by rank ``i % world_size``) and the
+verdicts all-gathered; a corrupt candidate is quarantined by rank 0 and skipped by all. The
+tensors are then loaded by ``torch.distributed.checkpoint.load`` on the checkpoint group,
+which plans the reads and reshards N -> M.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_elastic.core.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
+from lightning_elastic.core.coordinator import Coordinator
+from lightning_elastic.core.dcp_format import metadata_from_json
+from lightning_elastic.core.integrity import Problem, raise_first, verify_files
+from lightning_elastic.core.manifest import DCP_METADATA_FILE, Manifest
+from lightning_elastic.core.shardio import ShardReader
+from lightning_elastic.core.storage import Storage
+from lightning_elastic.errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CorruptCheckpointWarning,
+    RankFailure,
+    UnsupportedFormatError,
+)
+
+__all__ = ["RANK_LOCAL_KEY", "LoadResult", "load_checkpoint", "select_checkpoint"]
+
+log = logging.getLogger(__name__)
+RANK_LOCAL_KEY = "__rank_local__"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What was loaded, with the rank-local state this rank saved (``None`` for a new rank)."""
+
+    info: CheckpointInfo
+    manifest: Manifest
+    rank_state: dict[str, Any] | None
+    verify_s: float
+    load_s: float
+    bytes_read: int
+
+
+def select_checkpoint(
+    storage: Storage, catalog: Catalog, coord: Coordinator, name: str | None, verify: str
+) -> CheckpointInfo | None:
+    """The checkpoint to load, verified with ``verify``.
+
+    With ``name`` that checkpoint or an :class:`IntegrityError`. Without, the newest valid one
+    (walking back past corrupt ones, which are quarantined with a warning), or ``None``.
+    """
+    if name is not None:
+        info = coord.broadcast("load/select", lambda: catalog.info(name), error=CheckpointLoadError)
+        if info.unsupported:
+            raise UnsupportedFormatError(info.problem or info.location)
+        if info.manifest is None or info.status != "valid":
+            raise CheckpointNotFoundError(f"{info.location} is {info.status}: {info.problem}")
+        raise_first(info.location, _verify(storage, coord, info, verify))
+        return info
+    candidates = coord.broadcast(
+        "load/select", lambda: list(reversed(catalog.scan())), error=CheckpointLoadError
+    )
+    for info in candidates:
+        if info.status == INCOMPLETE:
+            log.info("skipping %s: %s", info.location, info.problem)
+            continue
+        if info.unsupported:
+            raise UnsupportedFormatError(info.problem or info.location)
+        if info.status == CORRUPT:
+            if info.quarantine is None:
+                _quarantine(catalog, coord, info, "manifest", info.problem or "unreadable")
+            else:
+                log.info("skipping quarantined %s: %s", info.location, info.problem)
+            continue
+        problems = _verify(storage, coord, info, verify)
+        if not problems:
+            return info
+        first = sorted(problems, key=lambda p: p.file)[0]
+        _quarantine(catalog, coord, info, first.file, first.reason)
+    return None
+
+
+def load_checkpoint(
+    storage: Storage,
+    coord: Coordinator,
+    info: CheckpointInfo,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    verify_s: float = 0.0,
+) -> LoadResult:
+    """Load ``info`` into ``state`` in place (DCP semantics) and return the rank-local state."""
+    assert info.manifest is not None
+    start = time.monotonic()
+    ckpt = storage.child(info.name)
+    metadata = metadata_from_json(
+        ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
+    )
+    reader = ShardReader(ckpt, metadata)
+    if state:
+        _dcp_load(state, reader, DefaultLoadPlanner(allow_partial_load=not strict), coord, info)
+    rank_state = None
+    template = _template(metadata, (RANK_LOCAL_KEY, str(coord.rank)))
+    if template:
+        _dcp_load(template, reader, DefaultLoadPlanner(), coord, info, collective=False)
+        rank_state = template[RANK_LOCAL_KEY][str(coord.rank)]
+    return LoadResult(
+        info=info,
+        manifest=info.manifest,
+        rank_state=rank_state,
+        verify_s=verify_s,
+        load_s=time.monotonic() - start,
+        bytes_read=reader.bytes_read,
+    )
+
+
+def _dcp_load(
+    state: dict[str, Any],
+    reader: ShardReader,
+    planner: DefaultLoadPlanner,
+    coord: Coordinator,
+    info: CheckpointInfo,
+    *,
+    collective: bool = True,
+) -> None:
+    use_group = collective and coord.distributed
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=planner,
+                process_group=coord.group if use_group else None,
+                no_dist=not use_group,
+            )
+    except CheckpointException as exc:
+        failures = [
+            RankFailure(rank, "load", type(err).__name__, str(err))
+            for rank, err in _failures(exc).items()
+        ]
+        raise CheckpointLoadError(info.location, failures) from exc
+    except Exception as exc:
+        raise CheckpointLoadError(
+            info.location, [RankFailure.from_exception(coord.rank, "load", exc)]
+        ) from exc
+
+
+def _template(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, Any]:
+    """An empty nested state with the structure saved under ``prefix`` (tensors allocated,
+    objects as placeholders), for DCP to load into."""
+    root: dict[str, Any] = {}
+    for fqn, path in (metadata.planner_data or {}).items():
+        if tuple(path[: len(prefix)]) != prefix:
+            continue
+        md = metadata.state_dict_metadata[fqn]
+        value = (
+            torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata)
+            else None
+        )
+        _set_path(root, list(path), value)
+    return root
+
+
+def _set_path(root: Any, path: list[Any], value: Any) -> None:
+    node = root
+    for key, following in zip(path[:-1], path[1:], strict=True):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            node[key] = empty if node[key] is None else node[key]
+            node = node[key]
+        else:
+            node = node.setdefault(key, empty)
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def _failures(exc: CheckpointException) -> Mapping[int, BaseException]:
+    out = {}
+    for rank, failure in exc.failures.items():
+        out[rank] = failure[0] if isinstance(failure, tuple) else failure
+    return out
+
+
+def _verify(storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: str) -> list[Problem]:
+    assert info.manifest is not None
+    manifest = info.manifest
+    ckpt = storage.child(info.name)
+    if mode == "size":
+        return coord.broadcast(
+            "load/verify", lambda: verify_files(ckpt, manifest, mode), error=CheckpointLoadError
+        )
+    share = manifest.files[coord.rank :: coord.world_size]
+    verdicts = coord.all_gather(
+        "load/verify", lambda: verify_files(ckpt, manifest, mode, share), error=CheckpointLoadError
+    )
+    return [problem for verdict in verdicts for problem in verdict]
+
+
+def _quarantine(
+    catalog: Catalog, coord: Coordinator, info: CheckpointInfo, file: str, reason: str
+) -> None:
+    def mark() -> None:
+        try:
+            catalog.quarantine(info.name, file, reason)
+        except Exception as exc:  # read-only storage: skipping it is still right
+            log.warning("could not quarantine %s: %r", info.location, exc)
+
+    if info.quarantine is None:
+        coord.broadcast("load/quarantine", mark, error=CheckpointLoadError)
+    message = (
+        f"skipping corrupt checkpoint {info.location} (step {info.step}): {file}: {reason}; "
+        "it was quarantined and kept for inspection"
+    )
+    log.warning(message)
+    warnings.warn(message, CorruptCheckpointWarning, stacklevel=3)

@@ -1,0 +1,127 @@
+"""Which checkpoints to keep: small composable policies, pure functions over a listing.
+
+A checkpoint survives when *any* policy keeps it. Whatever the policies say,
+:func:`plan_deletions` never selects:
+
+* a checkpoint that is not ``valid`` (corrupt ones are kept for inspection; incomplete
+  ones are leftovers, cleaned separately);
+* a checkpoint of another run id sharing the directory;
+* the newest valid checkpoint in the directory, and the newest of this run;
+* a protected checkpoint (the one this run resumed from).
+
+Deleting is the caller's job and goes manifest first, then data, so a crash in between
+leaves an incomplete directory, never a committed checkpoint with missing files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from lightning_elastic.core.catalog import VALID, CheckpointInfo
+from lightning_elastic.errors import ConfigError
+
+__all__ = [
+    "KeepAll",
+    "KeepBestK",
+    "KeepEveryNSteps",
+    "KeepLastN",
+    "RetentionPolicy",
+    "plan_deletions",
+]
+
+
+class RetentionPolicy(Protocol):
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        """Names to keep among ``checkpoints`` (valid, this run's, oldest first)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KeepLastN:
+    """Keep the ``n`` newest checkpoints."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"keep_last_n must be >= 1, got {self.n}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints[-self.n :]}
+
+
+@dataclass(frozen=True)
+class KeepEveryNSteps:
+    """Keep milestones: checkpoints whose step is a multiple of ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"keep_every_n_steps must be >= 1, got {self.n}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints if c.step is not None and c.step % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepBestK:
+    """Keep the ``k`` best checkpoints by the metric ``monitor`` recorded at save time.
+
+    Checkpoints without the metric do not compete; ties go to the newer checkpoint.
+    """
+
+    k: int
+    monitor: str
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"keep_best_k must be >= 1, got {self.k}")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if not self.monitor:
+            raise ConfigError("keep_best_k needs the name of a metric to monitor")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        scored = [
+            (c.manifest.metrics[self.monitor], i, c.name)
+            for i, c in enumerate(checkpoints)
+            if c.manifest is not None and self.monitor in c.manifest.metrics
+        ]
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored.sort(key=lambda t: (sign * t[0], -t[1]))
+        return {name for _, _, name in scored[: self.k]}
+
+
+@dataclass(frozen=True)
+class KeepAll:
+    """Keep everything."""
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        return {c.name for c in checkpoints}
+
+
+def plan_deletions(
+    checkpoints: Sequence[CheckpointInfo],
+    policies: Sequence[RetentionPolicy],
+    *,
+    run_id: str,
+    protected: Collection[str] = (),
+) -> list[CheckpointInfo]:
+    """The checkpoints to delete, oldest first. No policies means keep everything."""
+    if not policies:
+        return []
+    ordered = sorted(checkpoints, key=CheckpointInfo.sort_key)
+    valid = [c for c in ordered if c.status == VALID]
+    mine = [c for c in valid if c.run_id == run_id]
+    keep = set(protected)
+    for policy in policies:
+        keep |= policy.keep(mine)
+    if valid:
+        keep.add(valid[-1].name)
+    if mine:
+        keep.add(mine[-1].name)
+    return [c for c in mine if c.name not in keep]

@@ -1,0 +1,184 @@
+"""What one rank writes for one save, laid out as the bytes of its shard file.
+
+After DCP's global plan has deduplicated replicated tensors, each rank holds only the write
+items it owns. :func:`stage_payload` copies exactly those bytes into a host
+:class:`StagingArena` that is reused from save to save: a copy into an already touched buffer
+is ~8x faster here than into freshly allocated memory, and peak memory stays at the bytes the
+rank writes. :func:`direct_payload` is the synchronous variant that writes straight from the
+live tensors without any copy.
+
+Items are placed at 64-byte aligned offsets, so the file is the arena image and loading can
+view any tensor in place.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+
+__all__ = ["ALIGNMENT", "Payload", "PayloadItem", "StagingArena", "direct_payload", "stage_payload"]
+
+ALIGNMENT = 64
+WRITE_CHUNK = 16 << 20
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class PayloadItem:
+    """One write item placed at ``offset`` (in the uncompressed file image)."""
+
+    write_item: WriteItem
+    offset: int
+    length: int
+    data: memoryview  # the raw bytes: a slice of the arena or a view of the live tensor
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The items of one rank's shard file, in file order."""
+
+    items: tuple[PayloadItem, ...]
+    size: int  # bytes of the uncompressed file image, padding included
+    image: memoryview | None = None  # the whole image when it is one contiguous buffer
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(item.length for item in self.items)
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The file image in write-sized chunks (zero padding between items)."""
+        if self.image is not None:
+            for start in range(0, self.size, WRITE_CHUNK):
+                yield self.image[start : start + WRITE_CHUNK]
+            return
+        position = 0
+        for item in self.items:
+            if item.offset > position:
+                yield memoryview(bytes(item.offset - position))
+            for start in range(0, item.length, WRITE_CHUNK):
+                yield item.data[start : start + WRITE_CHUNK]
+            position = item.offset + item.length
+
+
+class StagingArena:
+    """A host buffer reused across saves; it only grows (``allocations`` counts the growths)."""
+
+    def __init__(self, *, pin_memory: bool = False, headroom: float = 0.05) -> None:
+        self.pin_memory = pin_memory
+        self.headroom = headroom
+        self.allocations = 0
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` backed by the arena (reallocated only to grow)."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None  # release the old buffer before allocating the new one
+            size = _align(int(nbytes * (1 + self.headroom)) + ALIGNMENT)
+            # zeros, not empty: touching the pages now keeps the first save's copy fast and
+            # makes the padding bytes (and hence the checksums) deterministic.
+            self._buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.allocations += 1
+        return self._buffer[:nbytes]
+
+    def release(self) -> None:
+        self._buffer = None
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A read-only byte view of a CPU contiguous version of ``tensor`` (copies only if needed)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _object_bytes(planner: SavePlanner, item: WriteItem) -> memoryview:
+    data = planner.resolve_data(item)
+    if not isinstance(data, io.BytesIO):
+        raise TypeError(f"expected serialized bytes for {item.index.fqn}, got {type(data)}")
+    return data.getbuffer()
+
+
+def _nbytes(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    numel = 1
+    for s in item.tensor_data.chunk.sizes:
+        numel *= s
+    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
+    offsets, position = [], 0
+    for length in lengths:
+        position = _align(position)
+        offsets.append(position)
+        position += length
+    return offsets, position
+
+
+def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: StagingArena) -> Payload:
+    """Copy this rank's items into ``arena``; the result no longer aliases live tensors."""
+    objects = {i: _object_bytes(planner, it) for i, it in enumerate(items) if _is_object(it)}
+    lengths = [objects[i].nbytes if i in objects else _nbytes(it) for i, it in enumerate(items)]
+    offsets, size = _layout(lengths)
+    image = arena.reserve(size)
+    placed = []
+    needs_sync = False
+    for i, item in enumerate(items):
+        offset, length = offsets[i], lengths[i]
+        target = image[offset : offset + length]
+        if i in objects:
+            target.copy_(torch.frombuffer(objects[i], dtype=torch.uint8))
+        elif length:
+            source = planner.resolve_data(item)
+            assert isinstance(source, torch.Tensor)
+            source = source.detach()
+            view = target.view(source.dtype).view(source.shape)
+            view.copy_(source, non_blocking=source.device.type == "cuda")
+            needs_sync = needs_sync or source.device.type == "cuda"
+        placed.append(PayloadItem(item, offset, length, _arena_view(target)))
+    if needs_sync:
+        torch.cuda.synchronize()
+    return Payload(tuple(placed), size, _arena_view(image))
+
+
+def direct_payload(items: Sequence[WriteItem], planner: SavePlanner) -> Payload:
+    """Views of the live tensors, for a synchronous save that writes before returning."""
+    views = []
+    for item in items:
+        if _is_object(item):
+            views.append(_object_bytes(planner, item))
+        else:
+            source = planner.resolve_data(item)
+            assert isinstance(source, torch.Tensor)
+            views.append(_tensor_bytes(source))
+    offsets, size = _layout([v.nbytes for v in views])
+    placed = tuple(
+        PayloadItem(item, off, view.nbytes, view)
+        for item, off, view in zip(items, offsets, views, strict=True)
+    )
+    return Payload(placed, size)
+
+
+def _arena_view(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.numpy()).cast("B")
+
+
+def _is_object(item: WriteItem) -> bool:
+    return item.type == WriteItemType.BYTE_IO

@@ -1,0 +1,240 @@
+"""One typed error hierarchy for everything lightning_elastic raises.
+
+Every class derives from :class:`ElasticCheckpointError` (an ``Exception``), so
+``except ElasticCheckpointError`` catches all of them. Messages say what happened,
+where, and what to do about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointLoadError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointTimeoutError",
+    "ConfigError",
+    "CorruptCheckpointWarning",
+    "DistributedFailure",
+    "ElasticCheckpointError",
+    "IntegrityError",
+    "ManifestError",
+    "RankFailure",
+    "StorageError",
+    "StorageFullError",
+    "StorageNotFoundError",
+    "StoragePermissionError",
+    "TransientStorageError",
+    "UnsupportedFormatError",
+    "WorldSizeError",
+]
+
+
+class ElasticCheckpointError(Exception):
+    """Base class of every error raised by lightning_elastic."""
+
+
+class ConfigError(ElasticCheckpointError, ValueError):
+    """An option has a value outside its allowed range; the message names both."""
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+class StorageError(ElasticCheckpointError, OSError):
+    """A storage operation failed. ``op`` and ``path`` name what was attempted.
+
+    The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, op: str, path: str, cause: BaseException | str, hint: str = "") -> None:
+        self.op = op
+        self.path = path
+        self.cause = cause
+        self.hint = hint
+        reason = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        message = f"storage {op} failed for {path!r}: {reason}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep picklable across processes
+        cause = (
+            self.cause
+            if isinstance(self.cause, str)
+            else f"{type(self.cause).__name__}: {self.cause}"
+        )
+        return (type(self), (self.op, self.path, cause, self.hint))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class TransientStorageError(StorageError):
+    """A retryable error persisted until the retry deadline ran out."""
+
+
+class StoragePermissionError(StorageError):
+    """Access was denied; fix the credentials or permissions of the path."""
+
+
+class StorageFullError(StorageError):
+    """The storage has no space (ENOSPC/EDQUOT). Committed checkpoints are untouched."""
+
+
+class StorageNotFoundError(StorageError):
+    """The path, bucket or container does not exist."""
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointNotFoundError(ElasticCheckpointError, FileNotFoundError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointExistsError(ElasticCheckpointError, FileExistsError):
+    """A committed checkpoint already exists at the requested name."""
+
+
+class ManifestError(ElasticCheckpointError):
+    """A manifest is missing, unparseable or inconsistent. The checkpoint is not usable."""
+
+
+class UnsupportedFormatError(ManifestError):
+    """The checkpoint was written in a newer format than this version can read."""
+
+
+class IntegrityError(ElasticCheckpointError):
+    """A checkpoint file does not match its manifest (missing, wrong size or checksum).
+
+    ``file`` names the offending file; ``checkpoint`` the checkpoint directory.
+    """
+
+    def __init__(self, checkpoint: str, file: str, reason: str) -> None:
+        self.checkpoint = checkpoint
+        self.file = file
+        self.reason = reason
+        super().__init__(f"checkpoint {checkpoint!r} is corrupt: {file!r}: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.checkpoint, self.file, self.reason))
+
+
+class CorruptCheckpointWarning(UserWarning):
+    """A checkpoint failed verification and was skipped (and quarantined)."""
+
+
+class WorldSizeError(ElasticCheckpointError):
+    """The checkpoint cannot be used at this world size; the message says what would work."""
+
+
+class RankFailure:
+    """What went wrong on one rank: the phase it was in and a message (picklable)."""
+
+    __slots__ = ("error_type", "message", "phase", "rank")
+
+    def __init__(self, rank: int, phase: str, error_type: str, message: str) -> None:
+        self.rank = rank
+        self.phase = phase
+        self.error_type = error_type
+        self.message = message
+
+    @classmethod
+    def from_exception(cls, rank: int, phase: str, exc: BaseException) -> RankFailure:
+        return cls(rank, phase, type(exc).__name__, str(exc))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "phase": self.phase,
+            "error_type": self.error_type,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> RankFailure:
+        return cls(
+            int(str(data["rank"])),
+            str(data["phase"]),
+            str(data["error_type"]),
+            str(data["message"]),
+        )
+
+    def __repr__(self) -> str:
+        return f"rank {self.rank} in {self.phase}: {self.error_type}: {self.message}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RankFailure) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash((self.rank, self.phase, self.error_type, self.message))
+
+
+class DistributedFailure(ElasticCheckpointError):
+    """Something failed on one or more ranks; raised identically on every rank.
+
+    ``failures`` maps each failing rank to a :class:`RankFailure` (phase, type, message).
+    """
+
+    verb = "failed"
+
+    def __init__(self, checkpoint: str, failures: Sequence[RankFailure]) -> None:
+        self.checkpoint = checkpoint
+        self.failures = {f.rank: f for f in failures}
+        ranks = ", ".join(str(r) for r in sorted(self.failures))
+        detail = "; ".join(repr(self.failures[r]) for r in sorted(self.failures))
+        super().__init__(f"{checkpoint} {self.verb}: failure on rank(s) {ranks}: {detail}")
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+    @property
+    def phases(self) -> set[str]:
+        return {f.phase for f in self.failures.values()}
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.checkpoint, list(self.failures.values())))
+
+
+class CheckpointSaveError(DistributedFailure):
+    """A save failed. Nothing was committed: the previous checkpoint stays the newest valid one."""
+
+    verb = "was not committed"
+
+
+class CheckpointLoadError(DistributedFailure):
+    """A load failed on some rank; the message names the ranks and what happened."""
+
+    verb = "could not be loaded"
+
+
+class CheckpointTimeoutError(CheckpointSaveError, TimeoutError):
+    """Some ranks did not reach a synchronization point in time; ``missing_ranks`` names them."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        phase: str,
+        missing_ranks: Sequence[int],
+        timeout_s: float,
+        failures: Sequence[RankFailure] = (),
+    ) -> None:
+        self.missing_ranks = sorted(missing_ranks)
+        self.phase_name = phase
+        self.timeout_s = timeout_s
+        missing = [
+            RankFailure(r, phase, "Timeout", f"did not report within {timeout_s:.1f}s")
+            for r in self.missing_ranks
+        ]
+        super().__init__(checkpoint, [*failures, *missing])
+
+    def __reduce__(self) -> tuple[object, ...]:
+        others = [f for f in self.failures.values() if f.rank not in self.missing_ranks]
+        return (
+            type(self),
+            (self.checkpoint, self.phase_name, self.missing_ranks, self.timeout_s, others),
+        )
