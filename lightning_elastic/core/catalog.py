@@ -167,7 +167,9 @@ class Catalog:
                 name, location, CORRUPT, problem=str(exc), staging=staging, unsupported=True
             )
         except ManifestError as exc:
-            return CheckpointInfo(name, location, CORRUPT, problem=str(exc), staging=staging)
+            return CheckpointInfo(
+                name, location, CORRUPT, problem=str(exc), staging=staging, quarantine=quarantine
+            )
         if quarantine is not None:
             problem = f"quarantined: {quarantine.file}: {quarantine.reason}"
             return CheckpointInfo(name, location, CORRUPT, manifest, problem, staging, quarantine)

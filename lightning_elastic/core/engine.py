@@ -63,12 +63,18 @@ class SaveHandle:
         self.name = name
         self.step = step
         self.blocked_s = blocked_s
+        self.error_seen = False  # the caller already got the error from result()
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except Exception:
+            if self._future.done():
+                self.error_seen = True
+            raise
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
@@ -237,7 +243,9 @@ class CheckpointEngine:
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight; raise its error (once) if it failed."""
         handle, self._inflight = self._inflight, None
-        return None if handle is None else handle.result()
+        if handle is None or (handle.error_seen and handle.done()):
+            return None
+        return handle.result()
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and release threads and buffers."""
@@ -320,7 +328,8 @@ class CheckpointEngine:
             log.info("skipping a save: %r is still in flight on some rank", handle)
             return False
         self._inflight = None
-        handle.result()  # raises the previous save's error, on every rank
+        if not handle.error_seen:
+            handle.result()  # raises the previous save's error, on every rank
         return True
 
     def _request(

@@ -31,6 +31,7 @@ __all__ = ["Entry", "Storage", "Written"]
 
 Buffer = bytes | bytearray | memoryview
 _READ_CHUNK = 8 << 20
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"}
 # Object stores without explicit timeouts can block forever on a dead connection.
 _S3_DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
 
@@ -107,6 +108,13 @@ class Storage:
     @property
     def is_local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def is_object_store(self) -> bool:
+        """Flat key spaces where directories do not exist (and renames are copies)."""
+        protocols = self.fs.protocol
+        names = {protocols} if isinstance(protocols, str) else set(protocols)
+        return bool(names & _OBJECT_STORES)
 
     def child(self, rel: str) -> Storage:
         """A storage rooted at ``rel`` below this one, sharing settings."""
@@ -199,7 +207,7 @@ class Storage:
     ) -> Written:
         fs = self.fs
         parent = path.rsplit("/", 1)[0]
-        with contextlib.suppress(Exception):
+        if not self.is_object_store:  # on S3, makedirs would try to create the bucket
             fs.makedirs(parent, exist_ok=True)
         if exclusive:
             fs.invalidate_cache(parent)
@@ -216,9 +224,10 @@ class Storage:
             discard = getattr(handle, "discard", None)
             with contextlib.suppress(Exception):
                 discard() if discard is not None else handle.close()
-            if not exclusive:
-                with contextlib.suppress(Exception):
-                    fs.rm_file(path)
+            # Our open succeeded, so whatever exists at ``path`` now is ours (some backends
+            # create the file at open, exclusive or not): remove it.
+            with contextlib.suppress(Exception):
+                fs.rm_file(path)
             raise
         try:
             handle.close()
@@ -358,7 +367,7 @@ class Storage:
         def mkdir() -> None:
             if self.is_local:
                 os.makedirs(path, exist_ok=True)
-            else:
+            elif not self.is_object_store:
                 self.fs.makedirs(path, exist_ok=True)
 
         self._call("mkdir", rel, mkdir)

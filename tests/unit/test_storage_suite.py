@@ -1,0 +1,162 @@
+"""The storage suite: the same behaviour on local disk, memory:// and S3 (moto server)."""
+
+import errno
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from lightning_elastic import RetryPolicy, Storage
+from lightning_elastic.errors import (
+    CheckpointExistsError,
+    StorageError,
+    StorageFullError,
+    StorageNotFoundError,
+    StoragePermissionError,
+    TransientStorageError,
+)
+from lightning_elastic.testing.faults import Fault, FaultyFileSystem
+
+
+@pytest.fixture
+def storage(any_root) -> Storage:
+    root, options = any_root
+    return Storage(root, storage_options=options)
+
+
+def test_write_read_roundtrip_with_checksum(storage: Storage) -> None:
+    chunks = [b"abc", bytearray(b"defg"), memoryview(b"hij")]
+    written = storage.write_stream("d/file.bin", lambda: iter(chunks), checksum="xxh3_64")
+    assert written.size == 10
+    assert storage.read_bytes("d/file.bin") == b"abcdefghij"
+    assert storage.read_bytes("d/file.bin", 3, 4) == b"defg"
+    assert storage.hash_file("d/file.bin", "xxh3_64") == written
+    out = bytearray(4)
+    storage.read_into("d/file.bin", 6, memoryview(out))
+    assert bytes(out) == b"ghij"
+
+
+def test_short_read_is_an_error(storage: Storage) -> None:
+    storage.write_bytes("f", b"12345")
+    with pytest.raises(StorageError, match="ended after"):
+        storage.read_bytes("f", 2, 10)
+    with pytest.raises(StorageError, match="ended after"):
+        storage.read_into("f", 0, memoryview(bytearray(9)))
+
+
+def test_listing_exists_size_delete(storage: Storage) -> None:
+    assert storage.listdir() == []
+    storage.write_bytes("a/one", b"1")
+    storage.write_bytes("a/two", b"22")
+    storage.write_bytes("b/c/three", b"333")
+    top = storage.listdir()
+    assert [(e.name, e.is_dir) for e in top] == [("a", True), ("b", True)]
+    assert [(e.name, e.size) for e in storage.listdir("a")] == [("one", 1), ("two", 2)]
+    assert storage.exists("a/two") and storage.size("a/two") == 2
+    assert not storage.exists("a/nope")
+    storage.delete("a/one")
+    storage.delete("a/one")  # idempotent
+    assert [e.name for e in storage.listdir("a")] == ["two"]
+    storage.delete_tree("b")
+    assert [e.name for e in storage.listdir()] == ["a"]
+    assert storage.listdir("missing") == []
+
+
+def test_exclusive_create_refuses_existing(storage: Storage) -> None:
+    storage.write_bytes("m.json", b"first", exclusive=True)
+    with pytest.raises(CheckpointExistsError):
+        storage.write_bytes("m.json", b"second", exclusive=True)
+    assert storage.read_bytes("m.json") == b"first"
+    # a non-exclusive write is an overwrite
+    storage.write_bytes("m.json", b"third")
+    assert storage.read_bytes("m.json") == b"third"
+
+
+def test_missing_file_is_typed_and_names_path(storage: Storage) -> None:
+    with pytest.raises(StorageNotFoundError) as info:
+        storage.read_bytes("nope/file")
+    assert info.value.op == "read"
+    assert "nope/file" in str(info.value)
+
+
+def test_child_storage_is_rooted_below(storage: Storage) -> None:
+    child = storage.child("x/y")
+    child.write_bytes("f", b"1")
+    assert storage.read_bytes("x/y/f") == b"1"
+    assert child.display("f").endswith("x/y/f")
+
+
+def test_refuses_to_delete_root(storage: Storage) -> None:
+    with pytest.raises(StorageError, match="root"):
+        storage.delete_tree("")
+
+
+def _faulty(tmp_path, faults, attempts=0, deadline=5.0, sleeps=None):
+    policy = RetryPolicy(
+        deadline_s=deadline,
+        max_attempts=attempts,
+        initial_backoff_s=0.01,
+        max_backoff_s=0.02,
+        sleep=(sleeps.append if sleeps is not None else (lambda s: None)),
+    )
+    fs = FaultyFileSystem(LocalFileSystem(), faults)
+    return Storage(str(tmp_path), fs=fs, retry=policy), fs
+
+
+@pytest.mark.parametrize("error", ["EIO", "ECONNRESET", "EAGAIN", "timeout"])
+def test_transient_errors_are_retried(tmp_path, error) -> None:
+    sleeps: list[float] = []
+    storage, fs = _faulty(tmp_path, [Fault("write", "*f.bin", error, times=2)], sleeps=sleeps)
+    written = storage.write_stream("f.bin", lambda: [b"x" * 100], checksum="crc32")
+    assert written.size == 100 and storage.read_bytes("f.bin") == b"x" * 100
+    assert len(fs.fired) == 2 and len(sleeps) == 2
+    assert sleeps[1] >= sleeps[0] * 0.5  # backoff grows (with jitter)
+
+
+def test_transient_error_gives_up_at_deadline(tmp_path) -> None:
+    storage, _ = _faulty(tmp_path, [Fault("read", "*", "EIO", times=0)], attempts=4)
+    storage.write_bytes("f", b"1")
+    with pytest.raises(TransientStorageError, match="gave up after 4 attempts") as info:
+        storage.read_bytes("f")
+    assert isinstance(info.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize(
+    ("error", "typed"),
+    [("ENOSPC", StorageFullError), ("EACCES", StoragePermissionError), ("EROFS", StoragePermissionError)],
+)
+def test_permanent_errors_fail_at_once(tmp_path, error, typed) -> None:
+    storage, fs = _faulty(tmp_path, [Fault("write", "*", error, times=0)])
+    with pytest.raises(typed) as info:
+        storage.write_bytes("d/f", b"data")
+    assert len(fs.fired) == 1  # no retry
+    assert info.value.op == "write" and "d/f" in info.value.path
+    assert info.value.__cause__.errno == getattr(errno, error)
+    assert not (tmp_path / "d" / "f").exists()  # the partial file is removed
+
+
+def test_failed_exclusive_write_leaves_nothing(tmp_path) -> None:
+    storage, _ = _faulty(tmp_path, [Fault("write", "*", "ENOSPC")])
+    with pytest.raises(StorageFullError):
+        storage.write_bytes("m.json", b"x", exclusive=True)
+    assert not storage.exists("m.json")
+
+
+def test_memory_filesystem_instance_can_be_injected() -> None:
+    fs = MemoryFileSystem()
+    storage = Storage("memory://injected/root", fs=fs)
+    storage.write_bytes("a", b"1")
+    assert fs.cat_file("/injected/root/a") == b"1"
+
+
+def test_bad_url_is_a_storage_error() -> None:
+    with pytest.raises(StorageError, match="nosuchproto"):
+        Storage("nosuchproto://x/y")
+
+
+def test_storage_survives_pickling(storage: Storage) -> None:
+    import pickle
+
+    storage.write_bytes("p", b"1")
+    clone = pickle.loads(pickle.dumps(storage))
+    assert clone.read_bytes("p") == b"1"
