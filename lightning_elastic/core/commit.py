@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from lightning_elastic.errors import CheckpointSaveError, CheckpointTimeoutError, RankFailure
 
@@ -44,7 +44,7 @@ class Decision:
     missing: tuple[int, ...] = ()
     timeout_s: float = 0.0
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> str:
         return json.dumps(
             {
                 "committed": self.committed,
@@ -52,10 +52,10 @@ class Decision:
                 "missing": list(self.missing),
                 "timeout_s": self.timeout_s,
             }
-        ).encode()
+        )
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Decision:
+    def from_json(cls, raw: str | bytes) -> Decision:
         data = json.loads(raw)
         return cls(
             committed=bool(data["committed"]),
@@ -77,7 +77,7 @@ class CommitChannel:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Store,
         *,
         rank: int,
         world_size: int,
@@ -98,7 +98,7 @@ class CommitChannel:
         return "/".join([self.namespace, "save", save_id, *(str(p) for p in parts)])
 
     def report(self, save_id: str, report: Mapping[str, Any]) -> None:
-        self.store.set(self._key(save_id, "report", self.rank), json.dumps(report).encode())
+        self.store.set(self._key(save_id, "report", self.rank), json.dumps(report))
         self.store.add(self._key(save_id, "reported"), 1)
 
     def collect(self, save_id: str, deadline: float, checkpoint: str) -> dict[int, dict[str, Any]]:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from lightning_elastic.errors import (
     CheckpointTimeoutError,
@@ -59,6 +60,12 @@ class _Failed:
         return exc if isinstance(exc, BaseException) else None
 
 
+def _hash_store() -> Store:
+    from torch._C._distributed_c10d import HashStore
+
+    return HashStore()
+
+
 class Coordinator:
     """Rank identity plus the few collectives checkpointing needs.
 
@@ -73,7 +80,7 @@ class Coordinator:
         rank: int,
         world_size: int,
         group: dist.ProcessGroup | None,
-        store: dist.Store,
+        store: Store,
         timeout: timedelta,
         namespace: str = "",
     ) -> None:
@@ -88,7 +95,7 @@ class Coordinator:
 
     @classmethod
     def single_process(cls, timeout: timedelta = timedelta(minutes=10)) -> Coordinator:
-        return cls(rank=0, world_size=1, group=None, store=dist.HashStore(), timeout=timeout)
+        return cls(rank=0, world_size=1, group=None, store=_hash_store(), timeout=timeout)
 
     @classmethod
     def from_environment(
@@ -253,7 +260,7 @@ class Coordinator:
     def _collective(self, phase: str, what: str, op: Callable[[], Any]) -> None:
         self._seq += 1
         arrival = self.key("arrive", self._seq, self.rank)
-        self.store.set(arrival, b"1")
+        self.store.set(arrival, "1")
         try:
             op()
         except Exception as exc:

@@ -10,6 +10,7 @@ which plans the reads and reshards N -> M.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import warnings
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_elastic.core.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
 from lightning_elastic.core.coordinator import Coordinator
@@ -142,7 +143,7 @@ def _dcp_load(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
+            dcp_load(
                 state,
                 storage_reader=reader,
                 planner=planner,
@@ -180,7 +181,7 @@ def _template(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, Any]:
 
 def _set_path(root: Any, path: list[Any], value: Any) -> None:
     node = root
-    for key, following in zip(path[:-1], path[1:], strict=True):
+    for key, following in itertools.pairwise(path):
         empty: Any = [] if isinstance(following, int) else {}
         if isinstance(node, list):
             while len(node) <= key:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
 from lightning_elastic.core.dcp_format import ItemLocation
-from lightning_elastic.core.staging import WRITE_CHUNK, Payload
+from lightning_elastic.core.staging import WRITE_CHUNK, Payload, byte_view
 from lightning_elastic.core.storage import Storage, Written
 from lightning_elastic.errors import ConfigError, ManifestError
 
@@ -199,7 +199,7 @@ class ShardReader(StorageReader):
             and location.length >= WRITE_CHUNK // 16
         ):
             # Large contiguous chunk: read straight into the destination, no staging copy.
-            view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            view = byte_view(target.reshape(-1).view(torch.uint8))
             self.storage.read_into(location.file, location.offset, view)
             self.bytes_read += location.length
         else:

@@ -16,11 +16,20 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
-__all__ = ["ALIGNMENT", "Payload", "PayloadItem", "StagingArena", "direct_payload", "stage_payload"]
+__all__ = [
+    "ALIGNMENT",
+    "Payload",
+    "PayloadItem",
+    "StagingArena",
+    "byte_view",
+    "direct_payload",
+    "stage_payload",
+]
 
 ALIGNMENT = 64
 WRITE_CHUNK = 16 << 20
@@ -103,7 +112,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return byte_view(t.reshape(-1).view(torch.uint8))
 
 
 def _object_bytes(planner: SavePlanner, item: WriteItem) -> memoryview:
@@ -118,7 +127,7 @@ def _nbytes(item: WriteItem) -> int:
     numel = 1
     for s in item.tensor_data.chunk.sizes:
         numel *= s
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return numel * item.tensor_data.properties.dtype.itemsize
 
 
 def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
@@ -175,9 +184,13 @@ def direct_payload(items: Sequence[WriteItem], planner: SavePlanner) -> Payload:
 
 
 def _arena_view(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.numpy()).cast("B")
+    return byte_view(t) if t.numel() else memoryview(b"")
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview over the bytes of a contiguous CPU uint8 tensor (no copy)."""
+    array: Any = t.numpy()
+    return memoryview(array).cast("B")
 
 
 def _is_object(item: WriteItem) -> bool:

@@ -159,9 +159,10 @@ class Storage:
             writer = self._write_local_exclusive if exclusive else self._write_local
         else:
             writer = self._write_fsspec
-        return self._call(
+        written: Written = self._call(
             "write", rel, lambda: writer(self.full(rel), chunks(), checksum, exclusive)
         )
+        return written
 
     def write_bytes(self, rel: str, data: Buffer, *, exclusive: bool = False) -> Written:
         return self.write_stream(rel, lambda: (data,), exclusive=exclusive)

@@ -93,7 +93,9 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
         inner = self.target.open(path, mode, **kwargs)
         return _FaultyFile(self, inner, path)
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any) -> Any:
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
+    ) -> Any:
         self.inject("read", path)
         return self.target.cat_file(path, start=start, end=end, **kw)
 

@@ -92,9 +92,11 @@ def _worker(
         }
     )
     import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
 
+    payload: tuple[str, Any]
     try:
-        store = dist.TCPStore(
+        store = TCPStore(
             "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60)
         )
         dist.init_process_group(
@@ -115,13 +117,11 @@ def _worker(
     results.put((rank, payload))
     results.close()
     results.join_thread()
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown: background threads must not keep us alive
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No process-group teardown: a peer may be dead (fault tests), and exiting without it
+    # cannot hang; background threads must not keep the rank alive either.
+    os._exit(0)
 
 
 def run_distributed(
@@ -140,18 +140,32 @@ def run_distributed(
     is ``None``. Any other rank raising or vanishing raises :class:`WorkerFailure` with
     every rank's traceback; not finishing within ``timeout`` raises :class:`WorkerTimeout`.
     """
-    import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
 
     ctx = _mp_context()
-    server = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+    server = TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
         timeout=timedelta(seconds=60),
     )
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, server.port, fn, args, kwargs, dict(env or {}), results, pg_timeout),
+            args=(
+                r,
+                world_size,
+                server.port,
+                fn,
+                args,
+                kwargs,
+                dict(env or {}),
+                results,
+                pg_timeout,
+            ),
             name=f"rank{r}",
         )
         for r in range(world_size)
@@ -175,7 +189,7 @@ def run_distributed(
         alive = [r for r in range(world_size) if r not in outcome and procs[r].is_alive()]
         timed_out = time.monotonic() >= deadline
         for r in alive:
-            os.kill(procs[r].pid, signal.SIGUSR2)  # type: ignore[arg-type]  # dump stacks
+            os.kill(procs[r].pid, signal.SIGUSR2)  # dump stacks
         if alive:
             time.sleep(0.5)
     finally:

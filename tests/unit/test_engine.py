@@ -1,7 +1,6 @@
 """CheckpointEngine in one process: semantics, integrity, fallback, retention, leftovers."""
 
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -21,7 +20,6 @@ from lightning_elastic import (
     KeepLastN,
     RetryPolicy,
     Storage,
-    StorageFullError,
     UnsupportedFormatError,
 )
 from lightning_elastic.core.manifest import MANIFEST_FILE, QUARANTINE_FILE
@@ -79,8 +77,14 @@ def engine(tmp_path):
 
 def test_roundtrip_all_value_kinds(engine: CheckpointEngine) -> None:
     state = make_state(1)
-    handle = engine.save(state, step=7, epoch=2, metadata={"lr": 0.1}, metrics={"loss": 0.5},
-                         rank_state={"rng": torch.get_rng_state(), "pos": 123})
+    handle = engine.save(
+        state,
+        step=7,
+        epoch=2,
+        metadata={"lr": 0.1},
+        metrics={"loss": 0.5},
+        rank_state={"rng": torch.get_rng_state(), "pos": 123},
+    )
     result = handle.result()
     assert result.name == "step_000000007" and result.bytes_written > 0
     manifest = result.manifest
@@ -153,7 +157,10 @@ def test_sync_save_is_committed_on_return(tmp_path) -> None:
 
 def test_zstd_compression_roundtrip_and_smaller(tmp_path) -> None:
     state = {"zeros": torch.zeros(100_000), "obj": {"a": "x" * 1000}}
-    with CheckpointEngine(tmp_path / "plain") as plain, CheckpointEngine(tmp_path / "z", compression="zstd") as z:
+    with (
+        CheckpointEngine(tmp_path / "plain") as plain,
+        CheckpointEngine(tmp_path / "z", compression="zstd") as z,
+    ):
         raw = plain.save(state, step=1).result()
         packed = z.save(state, step=1).result()
         assert packed.manifest.compression == "zstd"
@@ -172,7 +179,11 @@ def test_metadata_must_be_json_safe(engine: CheckpointEngine) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"when_busy": "queue"}, "when_busy"), ({"compression": "lz4"}, "compression"), ({"checksum": "md5"}, "checksum")],
+    [
+        ({"when_busy": "queue"}, "when_busy"),
+        ({"compression": "lz4"}, "compression"),
+        ({"checksum": "md5"}, "checksum"),
+    ],
 )
 def test_options_validated(tmp_path, kwargs, match) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -216,7 +227,11 @@ def two_checkpoints(tmp_path) -> tuple[CheckpointEngine, Path, Path]:
     [
         (lambda d: corrupt_bit(shard_files(d)[0]), "full", "checksum"),
         (lambda d: corrupt_bit(d / "dcp_metadata.json", 10), "full", "checksum"),
-        (lambda d: shard_files(d)[0].write_bytes(shard_files(d)[0].read_bytes()[:-7]), "size", "size is"),
+        (
+            lambda d: shard_files(d)[0].write_bytes(shard_files(d)[0].read_bytes()[:-7]),
+            "size",
+            "size is",
+        ),
         (lambda d: shard_files(d)[0].unlink(), "size", "missing"),
         (lambda d: shard_files(d)[0].unlink(), "full", "missing"),
     ],
@@ -239,7 +254,7 @@ def test_explicit_load_of_damaged_checkpoint_names_file(tmp_path, damage, verify
     ],
 )
 def test_latest_valid_falls_back_and_quarantines(tmp_path, damage) -> None:
-    eng, older, newest = two_checkpoints(tmp_path)
+    eng, _older, newest = two_checkpoints(tmp_path)
     damage(newest)
     loaded = template()
     with pytest.warns(CorruptCheckpointWarning, match="step_000000002"):
@@ -315,7 +330,9 @@ def test_failure_surfaces_at_close(tmp_path) -> None:
 
 
 def test_enospc_never_deletes_the_only_valid_checkpoint(tmp_path) -> None:
-    fs = FaultyFileSystem(LocalFileSystem(), [Fault("write", "*.distcp", "ENOSPC", skip=1, times=0)])
+    fs = FaultyFileSystem(
+        LocalFileSystem(), [Fault("write", "*.distcp", "ENOSPC", skip=1, times=0)]
+    )
     eng = CheckpointEngine(storage=Storage(tmp_path, fs=fs), retention=[KeepLastN(1)])
     eng.save({"x": torch.ones(3)}, step=1).result()
     for step in (2, 3):
@@ -340,7 +357,11 @@ def test_leftovers_of_crashed_saves_are_cleaned_by_next_commit(tmp_path) -> None
     assert statuses["step_000000002"] == "incomplete"
     eng.save({"x": torch.ones(3)}, step=2).result()  # same step: reuses the dir name
     assert sorted(p.name for p in (tmp_path / "step_000000002").iterdir()) == sorted(
-        [MANIFEST_FILE, "dcp_metadata.json", *[p.name for p in shard_files(tmp_path / "step_000000002")]]
+        [
+            MANIFEST_FILE,
+            "dcp_metadata.json",
+            *[p.name for p in shard_files(tmp_path / "step_000000002")],
+        ]
     )
     assert len(shard_files(tmp_path / "step_000000002")) == 1
     assert (tmp_path / "step_000000009").exists()  # another run's: untouched

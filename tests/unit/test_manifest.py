@@ -63,7 +63,13 @@ def test_newer_version_names_required_version() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "{", "[]", '{"format": "other", "format_version": 1}', '{"format": "lightning_elastic.checkpoint", "format_version": 1}'],
+    [
+        "",
+        "{",
+        "[]",
+        '{"format": "other", "format_version": 1}',
+        '{"format": "lightning_elastic.checkpoint", "format_version": 1}',
+    ],
 )
 def test_malformed(text) -> None:
     with pytest.raises(ManifestError):

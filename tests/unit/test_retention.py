@@ -7,7 +7,9 @@ from lightning_elastic.errors import ConfigError
 from tests.unit.test_manifest import make_manifest
 
 
-def ckpt(step: int, run: str = "me", status: str = VALID, metric: float | None = None) -> CheckpointInfo:
+def ckpt(
+    step: int, run: str = "me", status: str = VALID, metric: float | None = None
+) -> CheckpointInfo:
     metrics = {} if metric is None else {"loss": metric}
     manifest = make_manifest(
         step=step, run_id=run, name=f"step_{step}", created_unix=float(step), metrics=metrics
@@ -33,9 +35,17 @@ def test_keep_every_n_steps_milestones_union_with_last() -> None:
     assert len(doomed) == 8
 
 
-@pytest.mark.parametrize(("mode", "kept"), [("min", {"step_20", "step_40"}), ("max", {"step_10", "step_30"})])
+@pytest.mark.parametrize(
+    ("mode", "kept"), [("min", {"step_20", "step_40"}), ("max", {"step_10", "step_30"})]
+)
 def test_keep_best_k(mode, kept) -> None:
-    infos = [ckpt(10, metric=5.0), ckpt(20, metric=1.0), ckpt(30, metric=4.0), ckpt(40, metric=2.0), ckpt(50)]
+    infos = [
+        ckpt(10, metric=5.0),
+        ckpt(20, metric=1.0),
+        ckpt(30, metric=4.0),
+        ckpt(40, metric=2.0),
+        ckpt(50),
+    ]
     doomed = plan_deletions(infos, [KeepBestK(2, "loss", mode)], run_id="me")
     # the newest (step 50) survives even without the metric
     survivors = {i.name for i in infos} - set(names(doomed))
@@ -76,7 +86,13 @@ def test_keep_all_and_no_policy() -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: KeepLastN(0), lambda: KeepEveryNSteps(0), lambda: KeepBestK(0, "x"), lambda: KeepBestK(1, "x", "avg"), lambda: KeepBestK(1, "")],
+    [
+        lambda: KeepLastN(0),
+        lambda: KeepEveryNSteps(0),
+        lambda: KeepBestK(0, "x"),
+        lambda: KeepBestK(1, "x", "avg"),
+        lambda: KeepBestK(1, ""),
+    ],
 )
 def test_validation(make) -> None:
     with pytest.raises(ConfigError):

@@ -89,7 +89,9 @@ def test_backoff_is_exponential_and_capped() -> None:
 
 def test_deadline_is_respected() -> None:
     clock = FakeClock()
-    policy = RetryPolicy(deadline_s=10, initial_backoff_s=1, max_backoff_s=8, sleep=clock.sleep, clock=clock)
+    policy = RetryPolicy(
+        deadline_s=10, initial_backoff_s=1, max_backoff_s=8, sleep=clock.sleep, clock=clock
+    )
 
     def always() -> None:
         raise TimeoutError("slow")

@@ -123,7 +123,11 @@ def test_transient_error_gives_up_at_deadline(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("error", "typed"),
-    [("ENOSPC", StorageFullError), ("EACCES", StoragePermissionError), ("EROFS", StoragePermissionError)],
+    [
+        ("ENOSPC", StorageFullError),
+        ("EACCES", StoragePermissionError),
+        ("EROFS", StoragePermissionError),
+    ],
 )
 def test_permanent_errors_fail_at_once(tmp_path, error, typed) -> None:
     storage, fs = _faulty(tmp_path, [Fault("write", "*", error, times=0)])

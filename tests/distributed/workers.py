@@ -1,0 +1,116 @@
+"""Functions run on every rank by the distributed tests (module level, so they pickle)."""
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_elastic import CheckpointEngine, Storage
+from lightning_elastic.testing.faults import Fault, FaultyFileSystem
+
+SHARDED_SHAPE = (12, 6)
+
+
+def replicated_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step_count": 7}
+
+
+def full_sharded(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + seed)
+    return torch.randn(*SHARDED_SHAPE, generator=g)
+
+
+def sharded(world: int, value: torch.Tensor):
+    mesh = init_device_mesh("cpu", (world,))
+    return distribute_tensor(value, mesh, [Shard(0)])
+
+
+def save_two_ranks(root: str, storage_options: dict | None = None) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = replicated_state()
+    state["emb"] = sharded(world, full_sharded())
+    with CheckpointEngine(root, storage_options=storage_options) as eng:
+        result = eng.save(
+            state, step=10, epoch=1, rank_state={"who": rank, "rng": torch.randn(3)}
+        ).result()
+        manifest = result.manifest
+        return {
+            "bytes_written": result.bytes_written,
+            "files": None
+            if manifest is None
+            else [(f.path, f.size, f.rank) for f in manifest.files],
+            "world_size": None if manifest is None else manifest.world_size,
+            "rank_rng": torch.get_rng_state(),
+        }
+
+
+def load_any_world(root: str, storage_options: dict | None = None) -> dict:
+    _rank, world = dist.get_rank(), dist.get_world_size()
+    fresh = replicated_state(seed=99)  # different values, same structure
+    fresh["emb"] = sharded(world, torch.zeros(*SHARDED_SHAPE))
+    fresh["step_count"] = None
+    with CheckpointEngine(root, storage_options=storage_options) as eng:
+        result = eng.load(fresh)
+    expected = replicated_state()
+    for key, value in expected["model"].items():
+        assert torch.equal(fresh["model"][key], value), key
+    for pid, st in expected["optim"]["state"].items():
+        for name, tensor in st.items():
+            assert torch.equal(fresh["optim"]["state"][pid][name], tensor), (pid, name)
+    assert fresh["step_count"] == 7
+    emb = fresh["emb"].full_tensor()
+    assert torch.equal(emb, full_sharded()), "resharded DTensor differs"
+    return {
+        "name": result.info.name,
+        "rank_state": None if result.rank_state is None else result.rank_state["who"],
+        "saved_world": result.manifest.world_size,
+    }
+
+
+def back_to_back(root: str, saves: int) -> list:
+    rank = dist.get_rank()
+    state = {"w": torch.zeros(256, 64), "opt": {"m": torch.zeros(64)}}
+    steps = []
+    with CheckpointEngine(root, timeout=timedelta(seconds=60)) as eng:
+        for step in range(1, saves + 1):
+            state["w"].fill_(step)
+            handle = eng.save(state, step=step, rank_state={"rank": rank, "step": step})
+            state["w"].fill_(-1)  # mutate right after the call
+            steps.append(handle.step)
+        eng.wait()
+        assert eng.arena.allocations == 1
+        loaded = {"w": torch.empty(256, 64), "opt": {"m": torch.empty(64)}}
+        result = eng.load(loaded)
+        assert torch.all(loaded["w"] == saves)
+        assert result.rank_state == {"rank": rank, "step": saves}
+        listed = [i.step for i in eng.list() if i.status == "valid"]
+    return [steps, listed]
+
+
+def skip_when_busy(root: str) -> list:
+    """Rank 1 writes slowly: the second save must be skipped on *both* ranks."""
+    faults = [Fault("closed", "*rank00001.distcp", "stall", seconds=1.0, times=1)]
+    storage = Storage(root, fs=FaultyFileSystem(LocalFileSystem(), faults))
+    out = []
+    with CheckpointEngine(storage=storage, when_busy="skip") as eng:
+        out.append(eng.save({"x": torch.ones(10)}, step=1) is not None)
+        out.append(eng.save({"x": torch.ones(10)}, step=2) is not None)
+        eng.wait()
+        out.append(eng.save({"x": torch.ones(10)}, step=3) is not None)
+        eng.wait()
+        out.append(sorted(i.step for i in eng.list()))
+    return out
+
+
+def timed_sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
