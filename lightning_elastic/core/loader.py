@@ -39,7 +39,13 @@ from lightning_elastic.errors import (
     UnsupportedFormatError,
 )
 
-__all__ = ["RANK_LOCAL_KEY", "LoadResult", "load_checkpoint", "select_checkpoint"]
+__all__ = [
+    "RANK_LOCAL_KEY",
+    "LoadResult",
+    "load_checkpoint",
+    "read_full_state",
+    "select_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 RANK_LOCAL_KEY = "__rank_local__"
@@ -128,6 +134,22 @@ def load_checkpoint(
         load_s=time.monotonic() - start,
         bytes_read=reader.bytes_read,
     )
+
+
+def read_full_state(ckpt: Storage, *, include_rank_state: bool = False) -> dict[str, Any]:
+    """The whole checkpoint as one nested dict, in this process (for export/consolidation)."""
+    metadata = metadata_from_json(
+        ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
+    )
+    state = _template(metadata, ())
+    if not include_rank_state:
+        state.pop(RANK_LOCAL_KEY, None)
+    coord = Coordinator.single_process()
+    info = CheckpointInfo(ckpt.url, ckpt.display(), "valid")
+    _dcp_load(
+        state, ShardReader(ckpt, metadata), DefaultLoadPlanner(), coord, info, collective=False
+    )
+    return state
 
 
 def _dcp_load(

@@ -1,0 +1,148 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_elastic import CheckpointEngine
+from lightning_elastic.cli import main
+from lightning_elastic.core.manifest import MANIFEST_FILE
+
+CONFIG = "trainer:\n  max_steps: 10\nmodel:\n  lr: 0.1\n"
+
+
+def populate(root: str, storage_options: dict | None = None, steps=(1, 2, 3), run_id=None) -> None:
+    model = torch.nn.Linear(32, 32)
+    with CheckpointEngine(root, storage_options=storage_options, run_id=run_id) as eng:
+        for step in steps:
+            eng.save(
+                {"model": model.state_dict(), "step": step},
+                step=step,
+                epoch=0,
+                metrics={"loss": 1.0 / step},
+                metadata={"config": CONFIG, "hparams": {"lr": 0.1}},
+            )
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    populate(str(tmp_path))
+    return tmp_path
+
+
+def test_ls_table_and_json(root, capsys) -> None:
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0 and "step_000000003" in out and "STATUS" in out and out.count("valid") == 3
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    rows = json.loads(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert {"path", "step", "epoch", "world_size", "run_id", "bytes", "created", "status"} <= set(r)
+        assert r["status"] == "valid" and r["world_size"] == 1 and r["bytes"] > 0
+
+
+def test_ls_shows_incomplete_and_corrupt(root, capsys) -> None:
+    (root / "step_000000002" / MANIFEST_FILE).unlink()
+    (root / "step_000000003" / MANIFEST_FILE).write_text("{not json")
+    _, out, _ = run(capsys, "ls", str(root), "--json")
+    assert [r["status"] for r in json.loads(out)] == ["valid", "incomplete", "corrupt"]
+
+
+def test_inspect_shows_manifest_and_resolved_config(root, capsys) -> None:
+    code, out, _ = run(capsys, "inspect", str(root / "step_000000002"))
+    assert code == 0
+    assert "step 2" in out and "max_steps: 10" in out and "loss=0.5" in out
+    _, out, _ = run(capsys, "inspect", str(root / "step_000000002"), "--json")
+    body = json.loads(out)
+    assert body["manifest"]["metadata"]["config"] == CONFIG
+    assert body["manifest"]["versions"]["torch"] == torch.__version__
+
+
+def test_verify_exit_codes_and_names_bad_file(root, capsys) -> None:
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 0 and out.count("valid") == 3
+    shard = next((root / "step_000000002").glob("*.distcp"))
+    flip_byte(shard)
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 1 and shard.name in err and "checksum" in err
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    statuses = {r["step"]: r["status"] for r in json.loads(out)}
+    assert code == 1 and statuses == {1: "valid", 2: "corrupt", 3: "valid"}
+    # a single checkpoint can be verified too
+    assert run(capsys, "verify", str(root / "step_000000003"))[0] == 0
+    assert run(capsys, "verify", str(root / "step_000000002"))[0] == 1
+
+
+def test_verify_size_mode_catches_truncation(root, capsys) -> None:
+    shard = next((root / "step_000000001").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    code, _, err = run(capsys, "verify", str(root), "--mode", "size")
+    assert code == 1 and "size is" in err
+
+
+def test_verify_empty_dir_fails(tmp_path, capsys) -> None:
+    assert run(capsys, "verify", str(tmp_path))[0] == 1
+
+
+def test_prune_dry_run_then_real(root, capsys) -> None:
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--dry-run")
+    assert code == 0 and out.count("would delete") == 2
+    assert len(list(root.iterdir())) == 3
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--json")
+    assert [d["step"] for d in json.loads(out)["deleted"]] == [1, 2]
+    assert [p.name for p in root.iterdir()] == ["step_000000003"]
+
+
+def test_prune_keeps_each_runs_newest(tmp_path, capsys) -> None:
+    populate(str(tmp_path), steps=(1, 2), run_id="a")
+    populate(str(tmp_path), steps=(3, 4), run_id="b")
+    run(capsys, "prune", str(tmp_path), "--keep-last", "1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000002", "step_000000004"]
+    run(capsys, "prune", str(tmp_path), "--keep-last", "1", "--run-id", "a")
+
+
+def test_consolidate_writes_one_loadable_file(root, tmp_path, capsys) -> None:
+    out_file = tmp_path / "model.pt"
+    code, _, _ = run(capsys, "consolidate", str(root / "step_000000003"), str(out_file))
+    assert code == 0
+    state = torch.load(out_file, weights_only=False)
+    assert state["step"] == 3 and state["model"]["weight"].shape == (32, 32)
+
+
+def test_errors_are_clear(tmp_path, capsys) -> None:
+    code, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
+    assert code == 2 and "no checkpoint" in err
+
+
+@pytest.mark.s3
+def test_cli_on_s3(s3_root, s3_server, capsys) -> None:
+    populate(s3_root, s3_server.storage_options, steps=(5,))
+    opts = ["-o", f"endpoint_url={s3_server.endpoint_url}", "-o", "key=testing", "-o", "secret=testing"]
+    code, out, _ = run(capsys, "ls", s3_root, "--json", *opts)
+    assert code == 0 and json.loads(out)[0]["path"].startswith("s3://")
+    assert run(capsys, "verify", s3_root, *opts)[0] == 0
+
+
+def test_console_script_entry_point(root) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_elastic.cli", "ls", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)) == 3
