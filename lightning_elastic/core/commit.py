@@ -2,7 +2,7 @@
 
 Protocol for save ``S`` (every rank runs it in its background writer, after its own write):
 
-1. every rank ``report(S, r, report)``: ``ok`` with its file's size/checksum and DCP write
+1. every rank ``report(S, report)``: ``ok`` with its file's size/checksum and DCP write
    results, or its failure (phase and message);
 2. rank 0 ``collect(S)`` waits for all reports until the deadline; missing ranks are named;
 3. rank 0 writes ``dcp_metadata.json`` then ``manifest.json`` (exclusive create), only if
@@ -30,9 +30,6 @@ from torch.distributed.distributed_c10d import Store
 from lightning_elastic.errors import CheckpointSaveError, CheckpointTimeoutError, RankFailure
 
 __all__ = ["CommitChannel", "Decision"]
-
-_POLL_MIN_S = 0.002
-_POLL_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -84,7 +81,6 @@ class CommitChannel:
         namespace: str,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -92,30 +88,33 @@ class CommitChannel:
         self.namespace = namespace
         self.timeout_s = timeout_s  # only for messages; deadlines are passed per call
         self.clock = clock
-        self.sleep = sleep
 
     def _key(self, save_id: str, *parts: object) -> str:
         return "/".join([self.namespace, "save", save_id, *(str(p) for p in parts)])
 
     def report(self, save_id: str, report: Mapping[str, Any]) -> None:
         self.store.set(self._key(save_id, "report", self.rank), json.dumps(report))
-        self.store.add(self._key(save_id, "reported"), 1)
 
     def collect(self, save_id: str, deadline: float, checkpoint: str) -> dict[int, dict[str, Any]]:
         """Rank 0: every rank's report, or :class:`CheckpointTimeoutError` naming the missing."""
-        counter = self._key(save_id, "reported")
-        delay = _POLL_MIN_S
-        while self.store.add(counter, 0) < self.world_size:
-            if self.clock() >= deadline:
-                missing = self.missing_reports(save_id)
-                if missing:
-                    raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
-                break
-            self.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
         keys = [self._key(save_id, "report", r) for r in range(self.world_size)]
+        self._wait(keys, deadline, save_id, checkpoint)
         raw = self.store.multi_get(keys)
         return {r: json.loads(value) for r, value in enumerate(raw)}
+
+    def _wait(self, keys: list[str], deadline: float, save_id: str, checkpoint: str) -> None:
+        """Block until every key exists (the store wakes us up), re-checking the deadline at
+        least once a second; on expiry name the ranks whose report is missing."""
+        while True:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                missing = self.missing_reports(save_id) or [0]
+                raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
+            try:
+                self.store.wait(keys, timedelta(seconds=min(remaining, 1.0)))
+                return
+            except Exception:  # the store's own timeout: loop and re-check our deadline
+                continue
 
     def missing_reports(self, save_id: str) -> list[int]:
         return [
@@ -131,23 +130,15 @@ class CommitChannel:
         """Ranks != 0: rank 0's decision, or a timeout naming the ranks that never reported
         (rank 0 included when it is the one that went silent)."""
         key = self._key(save_id, "decision")
-        while True:
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                missing = self.missing_reports(save_id) or [0]
-                raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
-            try:
-                self.store.wait([key], timedelta(seconds=min(remaining, 1.0)))
-            except Exception:  # the store's own timeout: loop and re-check our deadline
-                continue
-            return Decision.from_json(self.store.get(key))
+        self._wait([key], deadline, save_id, checkpoint)
+        return Decision.from_json(self.store.get(key))
 
     def ack(self, save_id: str) -> None:
         """Called by every rank once it is done with ``save_id``; the last one cleans up."""
         done = self.store.add(self._key(save_id, "acks"), 1)
         if done >= self.world_size:
             keys = [self._key(save_id, "report", r) for r in range(self.world_size)]
-            keys += [self._key(save_id, name) for name in ("reported", "decision", "acks")]
+            keys += [self._key(save_id, name) for name in ("decision", "acks")]
             for key in keys:
                 try:
                     self.store.delete_key(key)

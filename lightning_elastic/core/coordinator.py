@@ -233,20 +233,24 @@ class Coordinator:
 
     def any(self, flag: bool, phase: str = "agree") -> bool:
         """True on every rank when ``flag`` is true on at least one rank."""
-        return self._reduce(flag, dist.ReduceOp.MAX, phase)
+        return bool(self.max_ints([1 if flag else 0], phase)[0])
 
     def all(self, flag: bool, phase: str = "agree") -> bool:
         """True on every rank when ``flag`` is true on all ranks."""
-        return self._reduce(flag, dist.ReduceOp.MIN, phase)
+        return not self.max_ints([0 if flag else 1], phase)[0]
 
-    def _reduce(self, flag: bool, op: Any, phase: str) -> bool:
+    def max_ints(self, values: Sequence[int], phase: str = "agree") -> list[int]:
+        """Element-wise maximum over ranks of small non-negative integers: one tiny
+        all-reduce that can carry several decisions (flags, rank 0's choices) at once."""
         if not self.distributed:
-            return bool(flag)
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            return list(values)
+        tensor = torch.tensor(list(values), dtype=torch.int64)
         self._collective(
-            phase, "agreement", lambda: dist.all_reduce(value, op=op, group=self.group)
+            phase,
+            "agreement",
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group),
         )
-        return bool(value.item())
+        return [int(v) for v in tensor.tolist()]
 
     # ------------------------------------------------------------------ internals
 

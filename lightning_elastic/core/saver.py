@@ -24,45 +24,47 @@ import os
 import platform
 import socket
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from lightning_elastic.core.catalog import Catalog, checkpoint_name
+from lightning_elastic.core.catalog import Catalog
 from lightning_elastic.core.commit import CommitChannel, Decision
 from lightning_elastic.core.coordinator import Coordinator
 from lightning_elastic.core.dcp_format import ItemLocation, metadata_to_json
 from lightning_elastic.core.manifest import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
-    QUARANTINE_FILE,
     STAGING_FILE,
     FileRecord,
     Manifest,
     RankRecord,
-    StagingRecord,
     Timings,
     shard_file_name,
 )
+from lightning_elastic.core.planning import PlanCache, PlannedSave, plan_save
 from lightning_elastic.core.retention import RetentionPolicy, plan_deletions
 from lightning_elastic.core.shardio import write_shard
 from lightning_elastic.core.staging import Payload, StagingArena, direct_payload, stage_payload
 from lightning_elastic.core.storage import Storage
 from lightning_elastic.errors import (
-    CheckpointExistsError,
-    CheckpointSaveError,
     CheckpointTimeoutError,
     RankFailure,
 )
 
-__all__ = ["SaveContext", "SaveRequest", "SaveResult", "finish_save", "plan_save", "stage_save"]
+__all__ = [
+    "PlannedSave",
+    "SaveContext",
+    "SaveRequest",
+    "SaveResult",
+    "finish_save",
+    "plan_save",
+    "stage_save",
+]
 
 log = logging.getLogger(__name__)
 # Grace period ranks != 0 add to the deadline, so rank 0's verdict (naming the guilty rank)
@@ -86,6 +88,7 @@ class SaveContext:
     retention: Sequence[RetentionPolicy] = ()
     protected: set[str] = field(default_factory=set)
     resumed_from: str | None = None
+    plan_cache: PlanCache | None = None
 
 
 @dataclass(frozen=True)
@@ -96,18 +99,6 @@ class SaveRequest:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     name: str | None = None
     overwrite: bool = False
-
-
-@dataclass
-class PlannedSave:
-    request: SaveRequest
-    name: str
-    save_id: str
-    plan: SavePlan
-    planner: DefaultSavePlanner
-    dcp_metadata: Metadata | None  # rank 0 only
-    started: float
-    deadline: float
 
 
 @dataclass(frozen=True)
@@ -123,41 +114,6 @@ class SaveResult:
     writing_s: float
     total_s: float  # from the save call to the commit being known on this rank
     manifest: Manifest | None = None  # rank 0 only
-
-
-def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest) -> PlannedSave:
-    coord = ctx.coordinator
-    planner = DefaultSavePlanner()
-    started = time.monotonic()
-    kept: dict[str, Any] = {}
-
-    def local() -> SavePlan:
-        planner.set_up_planner(state_dict, None, coord.is_coordinator)
-        return planner.create_local_plan()
-
-    def global_(plans: list[SavePlan]) -> list[tuple[SavePlan, str, str]]:
-        plans, metadata = planner.create_global_plan(plans)
-        name = _choose_name(ctx, request)
-        save_id = uuid.uuid4().hex[:16]
-        record = StagingRecord(ctx.run_id, save_id, request.step, time.time())
-        ctx.storage.write_bytes(f"{name}/{STAGING_FILE}", record.to_json().encode())
-        kept["metadata"] = metadata
-        return [(plan, name, save_id) for plan in plans]
-
-    what = f"checkpoint of step {request.step}"
-    plan, name, save_id = coord.gather_scatter(
-        "save/plan", local, global_, what=what, error=CheckpointSaveError
-    )
-    return PlannedSave(
-        request=request,
-        name=name,
-        save_id=save_id,
-        plan=planner.finish_plan(plan),
-        planner=planner,
-        dcp_metadata=kept.get("metadata"),
-        started=started,
-        deadline=started + ctx.timeout_s,
-    )
 
 
 def stage_save(ctx: SaveContext, planned: PlannedSave, copy: bool) -> Payload:
@@ -232,29 +188,6 @@ def finish_save(
 
 
 # ----------------------------------------------------------------------------- rank 0
-
-
-def _choose_name(ctx: SaveContext, request: SaveRequest) -> str:
-    storage = ctx.storage
-    if request.name is not None:
-        name = request.name.strip("/")
-        if storage.exists(f"{name}/{MANIFEST_FILE}"):
-            if not request.overwrite:
-                raise CheckpointExistsError(
-                    f"{storage.display(name)} already holds a committed checkpoint; "
-                    "pass overwrite=True to replace it or choose another name"
-                )
-            storage.delete(f"{name}/{MANIFEST_FILE}")  # uncommit first, then replace
-            ctx.catalog.forget(name)
-        return name
-    for attempt in range(1000):
-        name = checkpoint_name(request.step, attempt)
-        taken = storage.exists(f"{name}/{MANIFEST_FILE}") or storage.exists(
-            f"{name}/{QUARANTINE_FILE}"
-        )
-        if not taken:
-            return name
-    raise CheckpointExistsError(f"too many checkpoints of step {request.step}")
 
 
 def _commit(

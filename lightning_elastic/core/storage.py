@@ -148,33 +148,43 @@ class Storage:
         *,
         checksum: str | None = None,
         exclusive: bool = False,
+        durable: bool | None = None,
     ) -> Written:
         """Write the chunks produced by ``chunks()`` to ``rel``, hashing them on the way.
 
         ``chunks`` is a factory so a transient failure can restart the file from its first
         byte. With ``exclusive`` the file appears atomically and only if it did not exist;
         otherwise :class:`~lightning_elastic.errors.CheckpointExistsError` is raised.
+        ``durable=False`` skips the fsyncs (for advisory files).
         """
+        sync = self.durable if durable is None else durable
         if self.is_local:
             writer = self._write_local_exclusive if exclusive else self._write_local
         else:
             writer = self._write_fsspec
         written: Written = self._call(
-            "write", rel, lambda: writer(self.full(rel), chunks(), checksum, exclusive)
+            "write", rel, lambda: writer(self.full(rel), chunks(), checksum, exclusive, sync)
         )
         return written
 
-    def write_bytes(self, rel: str, data: Buffer, *, exclusive: bool = False) -> Written:
-        return self.write_stream(rel, lambda: (data,), exclusive=exclusive)
+    def write_bytes(
+        self, rel: str, data: Buffer, *, exclusive: bool = False, durable: bool | None = None
+    ) -> Written:
+        return self.write_stream(rel, lambda: (data,), exclusive=exclusive, durable=durable)
 
     def _write_local(
-        self, path: str, chunks: Iterable[Buffer], checksum: str | None, exclusive: bool
+        self,
+        path: str,
+        chunks: Iterable[Buffer],
+        checksum: str | None,
+        exclusive: bool,
+        sync: bool,
     ) -> Written:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             written = _drain(chunks, checksum, lambda mv: _write_all(fd, mv))
-            if self.durable:
+            if sync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -182,30 +192,40 @@ class Storage:
                 os.unlink(path)
             raise
         os.close(fd)
-        if self.durable:
+        if sync:
             _fsync_dir(os.path.dirname(path))
         return written
 
     def _write_local_exclusive(
-        self, path: str, chunks: Iterable[Buffer], checksum: str | None, exclusive: bool
+        self,
+        path: str,
+        chunks: Iterable[Buffer],
+        checksum: str | None,
+        exclusive: bool,
+        sync: bool,
     ) -> Written:
         if os.path.exists(path):
             raise CheckpointExistsError(f"{path} already exists")
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        written = self._write_local(tmp, chunks, checksum, False)
+        written = self._write_local(tmp, chunks, checksum, False, sync)
         try:
             os.link(tmp, path)  # atomic, and fails if the name exists
         except FileExistsError:
             raise CheckpointExistsError(f"{path} already exists") from None
         finally:
             os.unlink(tmp)
-        if self.durable:
+        if sync:
             _fsync_dir(os.path.dirname(path))
         return written
 
     def _write_fsspec(
-        self, path: str, chunks: Iterable[Buffer], checksum: str | None, exclusive: bool
-    ) -> Written:
+        self,
+        path: str,
+        chunks: Iterable[Buffer],
+        checksum: str | None,
+        exclusive: bool,
+        sync: bool,
+    ) -> Written:  # object stores are durable once the upload completes: nothing to sync
         fs = self.fs
         parent = path.rsplit("/", 1)[0]
         if not self.is_object_store:  # on S3, makedirs would try to create the bucket

@@ -54,3 +54,7 @@ def test_two_ranks_on_s3(s3_root, s3_server) -> None:
     run_distributed(workers.save_two_ranks, 2, s3_root, options)
     results = run_distributed(workers.load_any_world, 3, s3_root, options)
     assert {r["name"] for r in results} == {"step_000000010"}
+
+
+def test_plan_cache_misses_when_structure_changes(tmp_path) -> None:
+    assert run_distributed(workers.plan_changes_on_one_rank, 2, str(tmp_path)) == [[3.0], [3.0]]

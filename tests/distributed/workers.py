@@ -114,3 +114,21 @@ def skip_when_busy(root: str) -> list:
 def timed_sleep(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+def plan_changes_on_one_rank(root: str) -> list:
+    """Rank 1 alone changes its state's structure: every rank must take the full plan path."""
+    rank = dist.get_rank()
+    out = []
+    with CheckpointEngine(root) as eng:
+        for step in (1, 2, 3):
+            state = {"w": torch.full((8,), float(step))}
+            if rank == 1 and step == 3:
+                # only rank 1's plan changes; rank 0 must not reuse its cached metadata, or
+                # the committed metadata would lack "extra"
+                state["extra"] = torch.ones(3)
+            eng.save(state, step=step).result()
+        loaded = {"w": torch.empty(8), "extra": torch.empty(3)}
+        eng.load(loaded)
+        out.append(float(loaded["w"][0]))
+    return out

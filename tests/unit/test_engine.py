@@ -417,3 +417,16 @@ def test_save_blocks_only_briefly(tmp_path) -> None:
         handle = eng.save({"x": torch.ones(1000)}, step=1)
         assert not handle.done()
         assert handle.result().blocked_s < handle.result().total_s
+
+
+def test_plan_cache_follows_structure_changes(engine: CheckpointEngine) -> None:
+    engine.save({"a": torch.ones(4)}, step=1).result()
+    engine.save({"a": torch.ones(4) * 2}, step=2).result()  # cached plan
+    assert engine._ctx.plan_cache is not None
+    engine.save({"a": torch.ones(6) * 3, "b": torch.zeros(2)}, step=3).result()  # new plan
+    loaded = {"a": torch.empty(6), "b": torch.empty(2)}
+    engine.load(loaded)
+    assert torch.equal(loaded["a"], torch.ones(6) * 3)
+    loaded = {"a": torch.empty(4)}
+    engine.load(loaded, checkpoint="step_000000002")
+    assert torch.equal(loaded["a"], torch.ones(4) * 2)
