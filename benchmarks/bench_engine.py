@@ -33,10 +33,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from lightning_elastic.testing.spawn import run_distributed  # noqa: E402
+from lightning_elastic.testing.spawn import run_distributed
 
 CHUNK = 16 << 20
 
@@ -102,30 +102,34 @@ def worker(layers: int, width: int, rounds: int, scratch: str) -> dict[str, Any]
     dst = torch.zeros(my_bytes, dtype=torch.uint8)
     records: dict[str, list[dict[str, float]]] = {}
 
-    def record(name: str, blocked: float, commit: float, nbytes: int, base: int, resident: int = 0) -> None:
+    def record(
+        name: str, blocked: float, commit: float, nbytes: int, base: int, resident: int = 0
+    ) -> None:
         # peak extra = transient growth during the call + buffers the method keeps between
         # calls (our reused arena; the floors' destination buffer)
         records.setdefault(name, []).append(
-            {"blocked_s": blocked, "commit_s": commit, "bytes": nbytes, "peak_extra": peak_extra(base) + resident}
+            {
+                "blocked_s": blocked,
+                "commit_s": commit,
+                "bytes": nbytes,
+                "peak_extra": peak_extra(base) + resident,
+            }
         )
 
-    def clean(path: str) -> None:
+    def clean(path: str) -> None:  # rank 0 removes a method's output between measurements
         dist.barrier(group)
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier(group)
 
-    for rnd in range(1, rounds + 1):
-        step = rnd
-        # copy floor
-        dist.barrier(group)
+    def copy_floor(step: int) -> None:
         base = reset_peak()
         t0 = time.perf_counter()
         dst.copy_(src)
         t = time.perf_counter() - t0
         record("copy floor", t, t, my_bytes, base, resident=dst.numel())
-        # write + fsync floor
-        dist.barrier(group)
+
+    def write_floor(step: int) -> None:
         path = f"{scratch}/floor-{rank}.bin"
         view = memoryview(dst.numpy())
         base = reset_peak()
@@ -138,8 +142,8 @@ def worker(layers: int, width: int, rounds: int, scratch: str) -> dict[str, Any]
         t = time.perf_counter() - t0
         record("write floor", t, t, my_bytes, base)
         os.unlink(path)
-        # dcp.save
-        dist.barrier(group)
+
+    def dcp_sync(step: int) -> None:
         target = f"{scratch}/dcp_sync/{step}"
         base = reset_peak()
         t0 = time.perf_counter()
@@ -147,7 +151,8 @@ def worker(layers: int, width: int, rounds: int, scratch: str) -> dict[str, Any]
         t = time.perf_counter() - t0
         record("dcp.save", t, t, dir_bytes(target, rank), base)
         clean(f"{scratch}/dcp_sync")
-        # dcp.async_save
+
+    def dcp_async(step: int) -> None:
         target = f"{scratch}/dcp_async/{step}"
         base = reset_peak()
         t0 = time.perf_counter()
@@ -155,12 +160,11 @@ def worker(layers: int, width: int, rounds: int, scratch: str) -> dict[str, Any]
         blocked = time.perf_counter() - t0
         fut.result()
         t = time.perf_counter() - t0
-        dist.barrier(group)
         record("dcp.async_save", blocked, t, dir_bytes(target, rank), base)
         clean(f"{scratch}/dcp_async")
-        # ours, sync then async then async+zstd
-        engines = (("ours sync", ours_sync), ("ours async", ours_async), ("ours async zstd", ours_zstd))
-        for name, eng in engines:
+
+    def ours(name: str, eng: CheckpointEngine):
+        def run(step: int) -> None:
             base = reset_peak()
             t0 = time.perf_counter()
             handle = eng.save(state, step=step)
@@ -168,12 +172,28 @@ def worker(layers: int, width: int, rounds: int, scratch: str) -> dict[str, Any]
             result = handle.result()
             t = time.perf_counter() - t0
             record(name, blocked, t, result.bytes_written, base, resident=eng.arena.capacity)
-            clean(f"{scratch}/{name.replace(' ', '_')}_never")  # barrier only
-        for eng in (ours_sync, ours_async, ours_zstd):
-            for info in eng.list():
-                if info.step != step and rank == 0:
-                    shutil.rmtree(Path(eng.storage.url) / info.name, ignore_errors=True)
-        dist.barrier(group)
+            dist.barrier(group)
+            if rank == 0:
+                shutil.rmtree(Path(eng.storage.url) / result.name, ignore_errors=True)
+            dist.barrier(group)
+
+        return run
+
+    methods = [
+        copy_floor,
+        write_floor,
+        dcp_sync,
+        dcp_async,
+        ours("ours sync", ours_sync),
+        ours("ours async", ours_async),
+        ours("ours async zstd", ours_zstd),
+    ]
+    for rnd in range(rounds):
+        # rotate the order: the disk's speed depends on what was just written/deleted
+        shift = rnd % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            dist.barrier(group)
+            method(rnd + 1)
     for eng in (ours_async, ours_sync, ours_zstd):
         eng.close()
     return {"rank": rank, "state_bytes": state_bytes, "my_bytes": my_bytes, "records": records}
@@ -217,9 +237,13 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_report(summary: dict[str, Any], state_bytes: int, rounds: int) -> None:
     table, ratios = summary["table"], summary["ratios"]
-    print(f"\nstate {state_bytes / 1e9:.2f} GB replicated on 2 ranks, {rounds} interleaved rounds (medians)")
-    header = f"{'method':<18}{'rank':>5}{'blocked s':>11}{'commit s':>10}{'written MB':>12}{'peak+ MB':>10}" \
-             f"{'blk/copy':>10}{'commit/write':>14}{'peak/bytes':>12}"
+    print(
+        f"\nstate {state_bytes / 1e9:.2f} GB replicated on 2 ranks, {rounds} interleaved rounds (medians)"
+    )
+    header = (
+        f"{'method':<18}{'rank':>5}{'blocked s':>11}{'commit s':>10}{'written MB':>12}{'peak+ MB':>10}"
+        f"{'blk/copy':>10}{'commit/write':>14}{'peak/bytes':>12}"
+    )
     print(header)
     print("-" * len(header))
     for name, per_rank in table.items():
@@ -230,25 +254,37 @@ def print_report(summary: dict[str, Any], state_bytes: int, rounds: int) -> None
                 f"{m['peak_extra'] / 1e6:>10.1f}{q['blocked/copy']:>10.2f}{q['commit/write']:>14.2f}"
                 f"{q['peak/bytes']:>12.2f}"
             )
-    print("\ntargets (ours async, per rank): blocked <= 1.5x copy floor, commit <= 1.5x write floor, "
-          "peak extra <= 1.25x bytes written")
+    print(
+        "\ntargets (ours async, per rank): blocked <= 1.5x copy floor, commit <= 1.5x write floor, "
+        "peak extra <= 1.25x bytes written"
+    )
     for r, row in enumerate(ratios):
         q = row["ours async"]
         ok = q["blocked/copy"] <= 1.5 and q["commit/write"] <= 1.5 and q["peak/bytes"] <= 1.25
-        print(f"  rank {r}: blocked/copy {q['blocked/copy']:.2f}, commit/write {q['commit/write']:.2f}, "
-              f"peak/bytes {q['peak/bytes']:.2f} -> {'MET' if ok else 'MISSED'}")
+        print(
+            f"  rank {r}: blocked/copy {q['blocked/copy']:.2f}, commit/write {q['commit/write']:.2f}, "
+            f"peak/bytes {q['peak/bytes']:.2f} -> {'MET' if ok else 'MISSED'}"
+        )
     z, plain = table["ours async zstd"], table["ours async"]
     saved = 1 - sum(m["bytes"] for m in z) / max(1, sum(m["bytes"] for m in plain))
     rate = sum(m["bytes"] for m in plain) / max(z[r]["commit_s"] for r in range(len(z))) / 1e9
-    print(f"\nzstd: {saved * 100:.1f}% fewer bytes written; {rate:.2f} GB/s of raw state to durable commit")
+    print(
+        f"\nzstd: {saved * 100:.1f}% fewer bytes written; {rate:.2f} GB/s of raw state to durable commit"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--small", action="store_true", help="4 x Linear(512, 512): a quick run")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="7 = every method once in every position"
+    )
     parser.add_argument("--out", default="benchmarks/results/engine.json")
-    parser.add_argument("--scratch", default=None, help="directory for the checkpoints (default: a temp dir)")
+    parser.add_argument(
+        "--scratch", default=None, help="directory for the checkpoints (default: a temp dir)"
+    )
     args = parser.parse_args()
     layers, width = (4, 512) if args.small else (22, 2048)
     scratch = args.scratch or tempfile.mkdtemp(prefix="le-bench-", dir=os.getcwd())
@@ -259,8 +295,16 @@ def main() -> None:
     summary = summarize(results)
     print_report(summary, results[0]["state_bytes"], args.rounds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": {"layers": layers, "width": width, "rounds": args.rounds},
-                                          "state_bytes": results[0]["state_bytes"], **summary}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "config": {"layers": layers, "width": width, "rounds": args.rounds},
+                "state_bytes": results[0]["state_bytes"],
+                **summary,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {args.out}")
 
 
