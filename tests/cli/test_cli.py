@@ -51,7 +51,16 @@ def test_ls_table_and_json(root, capsys) -> None:
     rows = json.loads(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert {"path", "step", "epoch", "world_size", "run_id", "bytes", "created", "status"} <= set(r)
+        assert {
+            "path",
+            "step",
+            "epoch",
+            "world_size",
+            "run_id",
+            "bytes",
+            "created",
+            "status",
+        } <= set(r)
         assert r["status"] == "valid" and r["world_size"] == 1 and r["bytes"] > 0
 
 
@@ -131,7 +140,14 @@ def test_errors_are_clear(tmp_path, capsys) -> None:
 @pytest.mark.s3
 def test_cli_on_s3(s3_root, s3_server, capsys) -> None:
     populate(s3_root, s3_server.storage_options, steps=(5,))
-    opts = ["-o", f"endpoint_url={s3_server.endpoint_url}", "-o", "key=testing", "-o", "secret=testing"]
+    opts = [
+        "-o",
+        f"endpoint_url={s3_server.endpoint_url}",
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+    ]
     code, out, _ = run(capsys, "ls", s3_root, "--json", *opts)
     assert code == 0 and json.loads(out)[0]["path"].startswith("s3://")
     assert run(capsys, "verify", s3_root, *opts)[0] == 0
