@@ -164,3 +164,12 @@ def test_storage_survives_pickling(storage: Storage) -> None:
     storage.write_bytes("p", b"1")
     clone = pickle.loads(pickle.dumps(storage))
     assert clone.read_bytes("p") == b"1"
+
+
+def test_file_url_uses_the_local_fast_path(tmp_path) -> None:
+    storage = Storage(f"file://{tmp_path}/root")
+    assert storage.is_local
+    storage.write_bytes("m.json", b"{}", exclusive=True)
+    assert (tmp_path / "root" / "m.json").read_bytes() == b"{}"
+    with pytest.raises(CheckpointExistsError):
+        storage.write_bytes("m.json", b"{}", exclusive=True)
