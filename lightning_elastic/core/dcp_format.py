@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from lightning_elastic.core.skeleton import Skeleton
 from lightning_elastic.errors import ManifestError
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "dtype_name",
     "metadata_from_json",
     "metadata_to_json",
+    "read_metadata",
 ]
 
 _LAYOUT_VERSION = 1
@@ -61,7 +63,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def metadata_to_json(metadata: Metadata) -> str:
+def metadata_to_json(metadata: Metadata, skeleton: Skeleton = None) -> str:
     tensors: dict[str, Any] = {}
     objects: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
@@ -94,11 +96,17 @@ def metadata_to_json(metadata: Metadata) -> str:
             else {fqn: list(path) for fqn, path in dict(planner_data).items()}
         ),
         "storage": storage,
+        "skeleton": skeleton,
     }
     return json.dumps(body, separators=(",", ":"))
 
 
 def metadata_from_json(text: str | bytes, where: str) -> Metadata:
+    return read_metadata(text, where)[0]
+
+
+def read_metadata(text: str | bytes, where: str) -> tuple[Metadata, Skeleton]:
+    """The DCP ``Metadata`` and the state's skeleton (``None`` if it was not recorded)."""
     try:
         body = json.loads(text)
         if body.get("layout_version") != _LAYOUT_VERSION:
@@ -127,12 +135,13 @@ def metadata_from_json(text: str | bytes, where: str) -> Metadata:
         planner_data = body["planner_data"]
         if planner_data is not None:
             planner_data = {fqn: tuple(path) for fqn, path in _mapping(planner_data).items()}
-        return Metadata(
+        metadata = Metadata(
             state_dict_metadata=sd_md,
             planner_data=planner_data,
             storage_data=storage,
             version=body.get("dcp_version"),
         )
+        return metadata, body.get("skeleton")
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -275,14 +275,16 @@ class CheckpointEngine:
 
     def load(
         self,
-        state: dict[str, Any],
+        state: dict[str, Any] | None = None,
         *,
         checkpoint: str | None = None,
         verify: str = "full",
         strict: bool = True,
         adopt_run: bool = True,
     ) -> LoadResult:
-        """Load into ``state`` in place, at this world size (DCP reshards as needed).
+        """Load into ``state`` in place, at this world size (DCP reshards as needed); with
+        ``state=None`` the whole checkpoint is returned as a new nested dict
+        (``result.state``), its containers and key types as they were saved.
 
         ``checkpoint`` names a directory under the root; by default the newest valid one is
         used, walking back past corrupt ones. With ``adopt_run`` this engine continues the

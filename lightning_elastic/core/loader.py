@@ -10,11 +10,12 @@ which plans the reads and reshards N -> M.
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +23,16 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_elastic.core.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
 from lightning_elastic.core.coordinator import Coordinator
-from lightning_elastic.core.dcp_format import metadata_from_json
+from lightning_elastic.core.dcp_format import read_metadata
 from lightning_elastic.core.integrity import Problem, raise_first, verify_files
 from lightning_elastic.core.manifest import DCP_METADATA_FILE, Manifest
 from lightning_elastic.core.shardio import ShardReader
+from lightning_elastic.core.skeleton import Skeleton, build, subtree
 from lightning_elastic.core.storage import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
@@ -61,6 +64,7 @@ class LoadResult:
     verify_s: float
     load_s: float
     bytes_read: int
+    state: dict[str, Any] | None = None  # the loaded state (the caller's dict, or a new one)
 
 
 def select_checkpoint(
@@ -106,25 +110,32 @@ def load_checkpoint(
     storage: Storage,
     coord: Coordinator,
     info: CheckpointInfo,
-    state: dict[str, Any],
+    state: dict[str, Any] | None,
     *,
     strict: bool = True,
     verify_s: float = 0.0,
 ) -> LoadResult:
-    """Load ``info`` into ``state`` in place (DCP semantics) and return the rank-local state."""
+    """Load ``info`` into ``state`` in place (DCP semantics), or, with ``state=None``, the
+    whole checkpoint into a fresh nested dict (``LoadResult.state``); plus this rank's
+    rank-local state."""
     assert info.manifest is not None
     start = time.monotonic()
     ckpt = storage.child(info.name)
-    metadata = metadata_from_json(
+    metadata, skeleton = read_metadata(
         ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
     )
     reader = ShardReader(ckpt, metadata)
+    if state is None:
+        state = _template(metadata, skeleton, ()) or {}
+        state.pop(RANK_LOCAL_KEY, None)
+        strict = True
     if state:
-        _dcp_load(state, reader, DefaultLoadPlanner(allow_partial_load=not strict), coord, info)
+        _dcp_load(state, reader, _LoadPlanner(allow_partial_load=not strict), coord, info)
     rank_state = None
-    template = _template(metadata, (RANK_LOCAL_KEY, str(coord.rank)))
+    prefix = (RANK_LOCAL_KEY, str(coord.rank))
+    template = _template(metadata, skeleton, prefix)
     if template:
-        _dcp_load(template, reader, DefaultLoadPlanner(), coord, info, collective=False)
+        _dcp_load(template, reader, _LoadPlanner(), coord, info, collective=False)
         rank_state = template[RANK_LOCAL_KEY][str(coord.rank)]
     return LoadResult(
         info=info,
@@ -133,23 +144,53 @@ def load_checkpoint(
         verify_s=verify_s,
         load_s=time.monotonic() - start,
         bytes_read=reader.bytes_read,
+        state=state,
     )
 
 
 def read_full_state(ckpt: Storage, *, include_rank_state: bool = False) -> dict[str, Any]:
     """The whole checkpoint as one nested dict, in this process (for export/consolidation)."""
-    metadata = metadata_from_json(
+    metadata, skeleton = read_metadata(
         ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
     )
-    state = _template(metadata, ())
+    state = _template(metadata, skeleton, ()) or {}
     if not include_rank_state:
         state.pop(RANK_LOCAL_KEY, None)
     coord = Coordinator.single_process()
     info = CheckpointInfo(ckpt.url, ckpt.display(), "valid")
-    _dcp_load(
-        state, ShardReader(ckpt, metadata), DefaultLoadPlanner(), coord, info, collective=False
-    )
+    _dcp_load(state, ShardReader(ckpt, metadata), _LoadPlanner(), coord, info, collective=False)
     return state
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that loaded objects land under the template's own keys.
+
+    DCP addresses objects by stringified paths and would put the value of ``{0: obj}`` under
+    a new key ``"0"`` (an optimizer's per-parameter state, for one).
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if not self.flatten_state_dict:
+            super().load_bytes(read_item, value)
+            return
+        path = self.mappings[read_item.dest_index.fqn]
+        _assign(self.original_state_dict, path, torch.load(value, weights_only=False))
+
+
+def _assign(root: Any, path: Sequence[str | int], value: Any) -> None:
+    node = root
+    for element in path[:-1]:
+        node = node[_existing_key(node, element)]
+    node[_existing_key(node, path[-1])] = value
+
+
+def _existing_key(node: Any, element: str | int) -> Any:
+    if isinstance(node, list) or element in node:
+        return element
+    for key in node:
+        if str(key) == element:
+            return key
+    return element
 
 
 def _dcp_load(
@@ -184,21 +225,31 @@ def _dcp_load(
         ) from exc
 
 
-def _template(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, Any]:
-    """An empty nested state with the structure saved under ``prefix`` (tensors allocated,
-    objects as placeholders), for DCP to load into."""
-    root: dict[str, Any] = {}
-    for fqn, path in (metadata.planner_data or {}).items():
-        if tuple(path[: len(prefix)]) != prefix:
-            continue
-        md = metadata.state_dict_metadata[fqn]
-        value = (
-            torch.empty(md.size, dtype=md.properties.dtype)
-            if isinstance(md, TensorStorageMetadata)
-            else None
-        )
-        _set_path(root, list(path), value)
-    return root
+def _template(metadata: Metadata, skeleton: Skeleton, prefix: tuple[str, ...]) -> Any:
+    """An empty nested state shaped like what was saved under ``prefix`` (tensors allocated,
+    objects ``None``), for DCP to load into; ``None`` when nothing was saved there."""
+    leaves = {tuple(path): fqn for fqn, path in (metadata.planner_data or {}).items()}
+
+    def leaf(path: tuple[str | int, ...]) -> Any:
+        fqn = leaves.get(path)
+        md = metadata.state_dict_metadata.get(fqn) if fqn is not None else None
+        if isinstance(md, TensorStorageMetadata):
+            return torch.empty(md.size, dtype=md.properties.dtype)
+        return None
+
+    if skeleton is None:  # written without a skeleton: rebuild from the paths alone
+        root: dict[str, Any] = {}
+        for path in leaves:
+            if path[: len(prefix)] == prefix:
+                _set_path(root, list(path), leaf(path))
+        return root or None
+    try:
+        node = build(subtree(skeleton, prefix), leaf, prefix)
+    except KeyError:
+        return None
+    for key in reversed(prefix):
+        node = {key: node}
+    return node
 
 
 def _set_path(root: Any, path: list[Any], value: Any) -> None:

@@ -33,6 +33,7 @@ from lightning_elastic.core.manifest import (
     STAGING_FILE,
     StagingRecord,
 )
+from lightning_elastic.core.skeleton import Skeleton, describe, merge
 from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError
 
 __all__ = ["PlanCache", "PlannedSave", "plan_save"]
@@ -43,11 +44,14 @@ if TYPE_CHECKING:  # the saver imports this module
 
 @dataclass
 class PlanCache:
-    """The last successful plan of this rank (and, on rank 0, its DCP metadata)."""
+    """The last successful plan of this rank (and, on rank 0, its DCP metadata and the
+    merged skeleton of every rank's state)."""
 
     local: SavePlan
+    skeleton: Skeleton
     final: SavePlan
     metadata: Metadata | None
+    merged_skeleton: Skeleton
 
 
 @dataclass
@@ -58,6 +62,7 @@ class PlannedSave:
     plan: SavePlan
     planner: DefaultSavePlanner
     dcp_metadata: Metadata | None  # rank 0 only
+    skeleton: Skeleton  # rank 0 only: the shape of all ranks' states
     started: float
     deadline: float
     cached: bool = False
@@ -71,13 +76,20 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
 
     local: SavePlan | None = None
     local_error: Exception | None = None
+    shape: Skeleton = None
     try:
         planner.set_up_planner(state_dict, None, coord.is_coordinator)
         local = planner.create_local_plan()
+        shape = describe(state_dict)
     except Exception as exc:  # re-raised on every rank by the full exchange below
         local_error = exc
     cache = ctx.plan_cache
-    unchanged = local is not None and cache is not None and _same(local, cache.local)
+    unchanged = (
+        local is not None
+        and cache is not None
+        and shape == cache.skeleton
+        and _same(local, cache.local)
+    )
 
     attempt, save_int, name_error = 0, 0, None
     if coord.is_coordinator:
@@ -98,28 +110,32 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
     name, save_id = _name(request, attempt), f"{save_int:016x}"
 
     if not changed and cache is not None:
-        final, metadata = cache.final, cache.metadata
+        final, metadata, merged = cache.final, cache.metadata, cache.merged_skeleton
     else:
-        kept: dict[str, Metadata] = {}
+        kept: dict[str, Any] = {}
 
-        def local_fn() -> SavePlan:
+        def local_fn() -> tuple[SavePlan, Skeleton]:
             if local_error is not None:
                 raise local_error
             assert local is not None
-            return local
+            return local, shape
 
-        def global_fn(plans: list[SavePlan]) -> list[SavePlan]:
+        def global_fn(locals_: list[tuple[SavePlan, Skeleton]]) -> list[SavePlan]:
             if name_error is not None:
                 raise name_error
-            plans, kept["metadata"] = planner.create_global_plan(plans)
+            plans, kept["metadata"] = planner.create_global_plan([p for p, _ in locals_])
+            merged_shape: Skeleton = None
+            for _, rank_shape in locals_:
+                merged_shape = merge(merged_shape, rank_shape)
+            kept["skeleton"] = merged_shape
             return plans
 
         final = coord.gather_scatter(
             "save/plan", local_fn, global_fn, what=what, error=CheckpointSaveError
         )
-        metadata = kept.get("metadata")
+        metadata, merged = kept.get("metadata"), kept.get("skeleton")
         assert local is not None
-        ctx.plan_cache = PlanCache(local, final, metadata)
+        ctx.plan_cache = PlanCache(local, shape, final, metadata, merged)
     return PlannedSave(
         request=request,
         name=name,
@@ -127,6 +143,7 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
         plan=planner.finish_plan(final),
         planner=planner,
         dcp_metadata=metadata,
+        skeleton=merged,
         started=started,
         deadline=started + ctx.timeout_s,
         cached=not changed,

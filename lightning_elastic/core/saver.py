@@ -235,7 +235,7 @@ def _write_commit(
             storage_data[index] = location
     assert planned.dcp_metadata is not None
     metadata = dataclasses.replace(planned.dcp_metadata, storage_data=storage_data, version="1.0.0")
-    body = metadata_to_json(metadata).encode()
+    body = metadata_to_json(metadata, planned.skeleton).encode()
     written = ckpt.write_stream(DCP_METADATA_FILE, lambda: (body,), checksum=ctx.checksum)
     assert written.checksum is not None
     files.append(FileRecord(DCP_METADATA_FILE, written.size, written.checksum, None))

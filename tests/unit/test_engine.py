@@ -430,3 +430,33 @@ def test_plan_cache_follows_structure_changes(engine: CheckpointEngine) -> None:
     loaded = {"a": torch.empty(4)}
     engine.load(loaded, checkpoint="step_000000002")
     assert torch.equal(loaded["a"], torch.ones(4) * 2)
+
+
+def test_load_without_template_rebuilds_exact_structure(engine: CheckpointEngine) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = {
+        "optim": opt.state_dict(),
+        "empty": {},
+        "nested": {"e": {}, 3: "int key", "t": (1, 2), "l": [torch.ones(2), "x"]},
+        "objs": {0: {"name": "zero"}, 1: [1, 2]},
+    }
+    engine.save(state, step=1).result()
+    loaded = engine.load().state
+    assert loaded["empty"] == {} and loaded["nested"]["e"] == {}
+    assert loaded["nested"][3] == "int key" and loaded["nested"]["t"] == (1, 2)
+    assert loaded["objs"] == {0: {"name": "zero"}, 1: [1, 2]}
+    assert set(loaded["optim"]["state"]) == {0, 1}  # int keys survive
+    fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())
+    fresh.load_state_dict(loaded["optim"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_template_with_int_keyed_objects_keeps_keys(engine: CheckpointEngine) -> None:
+    engine.save({"s": {0: {"x": 1}, 1: torch.ones(2)}}, step=1).result()
+    template = {"s": {0: {"x": None}, 1: torch.zeros(2)}}
+    engine.load(template)
+    assert template == {"s": {0: {"x": 1}, 1: template["s"][1]}} and set(template["s"]) == {0, 1}
+    assert torch.equal(template["s"][1], torch.ones(2))

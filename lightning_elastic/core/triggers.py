@@ -1,0 +1,128 @@
+"""When to save: small, pure policies, and the one agreement that makes all ranks agree.
+
+Step and epoch triggers are pure functions of the (identical) training counters. Time and
+signal triggers are local observations, so :class:`Agreement` turns them into one decision
+for every rank with a single tiny all-reduce per check: rank 0's clock alone decides the
+time trigger, and a signal seen by *any* rank counts for all. Clocks are injected.
+"""
+
+from __future__ import annotations
+
+import signal as signal_module
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from lightning_elastic.core.coordinator import Coordinator
+from lightning_elastic.errors import ConfigError
+
+__all__ = ["Agreement", "Decision", "EveryInterval", "EveryNEpochs", "EveryNSteps", "SignalFlag"]
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Due at every global step that is a positive multiple of ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"every_n_train_steps must be >= 1, got {self.n}")
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.n == 0
+
+
+@dataclass(frozen=True)
+class EveryNEpochs:
+    """Due at the end of every ``n``-th epoch (``epoch`` counts from 0)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"every_n_epochs must be >= 1, got {self.n}")
+
+    def due(self, epoch: int) -> bool:
+        return (epoch + 1) % self.n == 0
+
+
+@dataclass
+class EveryInterval:
+    """Due once ``seconds`` have passed since the last save (or the start)."""
+
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+    last: float | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.seconds <= 0:
+            raise ConfigError(f"train_time_interval must be positive, got {self.seconds}s")
+
+    def start(self) -> None:
+        self.last = self.clock()
+
+    def due(self) -> bool:
+        if self.last is None:
+            self.start()
+        assert self.last is not None
+        return self.clock() - self.last >= self.seconds
+
+    def saved(self) -> None:
+        self.last = self.clock()
+
+
+class SignalFlag:
+    """Handlers for ``signals`` that only record which signal arrived (async-signal safe)."""
+
+    def __init__(self, signals: Sequence[int]) -> None:
+        self.signals = tuple(int(s) for s in signals)
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # handlers can only be installed from the main thread
+        for signum in self.signals:
+            self._previous[signum] = signal_module.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal_module.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What all ranks agreed at one step boundary."""
+
+    time_due: bool = False
+    signal: int = 0  # 0: none; else the (largest) signal number any rank received
+    requested: bool = False  # some rank asked for a checkpoint (e.g. on demand)
+
+    @property
+    def save(self) -> bool:
+        return self.time_due or self.requested or self.signal != 0
+
+
+class Agreement:
+    """One all-reduce per check: ``[signal, time_due (rank 0), requested]`` by maximum."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def decide(
+        self, *, interval: EveryInterval | None, flag: SignalFlag | None, requested: bool
+    ) -> Decision:
+        time_due = interval is not None and self.coordinator.is_coordinator and interval.due()
+        received = flag.received if flag is not None else 0
+        signum, due, asked = self.coordinator.max_ints(
+            [received, int(time_due), int(requested)], "save/decide"
+        )
+        return Decision(time_due=bool(due), signal=signum, requested=bool(asked))
