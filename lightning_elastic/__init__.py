@@ -26,6 +26,7 @@ from lightning_elastic.errors import (
     TransientStorageError,
     UnsupportedFormatError,
 )
+from lightning_elastic.lightning import DistributedCheckpoint, ElasticSampler, ElasticStrategy
 
 __version__ = "0.1.0"
 
@@ -39,7 +40,10 @@ __all__ = [
     "CheckpointTimeoutError",
     "ConfigError",
     "CorruptCheckpointWarning",
+    "DistributedCheckpoint",
     "ElasticCheckpointError",
+    "ElasticSampler",
+    "ElasticStrategy",
     "IntegrityError",
     "KeepAll",
     "KeepBestK",

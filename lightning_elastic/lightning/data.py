@@ -162,4 +162,10 @@ def make_elastic(
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
 
-    return _update_dataloader(dataloader, elastic, mode=RunningStage.TRAINING), elastic
+    rebuilt = _update_dataloader(dataloader, elastic, mode=RunningStage.TRAINING)
+    # Lightning treats loaders with state_dict/load_state_dict as resumable mid-epoch (and
+    # otherwise warns that they are not). Ours is: the position travels per checkpoint with
+    # the rest of our state, so Lightning's own copy is left empty.
+    rebuilt.state_dict = dict  # type: ignore[attr-defined]
+    rebuilt.load_state_dict = lambda state: None  # type: ignore[attr-defined]
+    return rebuilt, elastic

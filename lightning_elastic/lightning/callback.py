@@ -1,0 +1,378 @@
+"""``DistributedCheckpoint``: barrier-synchronized, asynchronous, sharded checkpoints.
+
+Every decision to save is the same on every rank: step and epoch triggers come from the
+training counters; the time trigger is rank 0's clock and a caught signal is any rank's,
+agreed with one small all-reduce at the end of each training batch. A signal (SIGTERM, SIGUSR1
+by default) makes every rank take a *synchronous* checkpoint at the same step and then exit
+with ``128 + signum`` (143 for SIGTERM): a non-zero code that torchrun's elastic agent and
+SLURM's requeue treat as "restart me", after which ``resume="auto"`` picks up the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as signal_module
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    SingleDeviceStrategy,
+)
+
+from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
+from lightning_elastic.core.integrity import VERIFY_MODES
+from lightning_elastic.core.retention import KeepBestK, KeepEveryNSteps, KeepLastN
+from lightning_elastic.core.triggers import (
+    Agreement,
+    EveryInterval,
+    EveryNEpochs,
+    EveryNSteps,
+    SignalFlag,
+)
+from lightning_elastic.errors import ConfigError
+from lightning_elastic.lightning.resume import install_resume_hook, uninstall_resume_hook
+from lightning_elastic.lightning.session import ElasticSession
+
+if TYPE_CHECKING:
+    from lightning_elastic.core.saver import SaveResult
+
+__all__ = ["DistributedCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class DistributedCheckpoint(Checkpoint):
+    """Sharded, asynchronous, two-phase-committed checkpoints with automatic resume.
+
+    Args:
+        dirpath: directory or fsspec URL for the checkpoints (default:
+            ``<default_root_dir>/checkpoints``).
+        storage_options: fsspec options for ``dirpath`` (credentials, endpoint_url, ...).
+        every_n_train_steps: save every N optimizer steps (``global_step``).
+        train_time_interval: save when this much training time passed since the last save
+            (a ``timedelta`` or seconds); decided by rank 0's clock for all ranks.
+        every_n_epochs: save at the end of every N-th training epoch.
+        save_on_train_end: save when training ends (unless the last step is saved already).
+        async_save: return to training once the state is staged in host memory.
+        when_busy: a save due while the previous one is still being written ``"wait"``s for
+            it or is ``"skip"``ped (all ranks decide together).
+        keep_last_n: keep the N newest checkpoints of this run.
+        keep_every_n_steps: also keep every checkpoint whose step is a multiple of N.
+        monitor: metric recorded with each checkpoint (from ``trainer.callback_metrics``).
+        mode: ``"min"`` or ``"max"``: which values of ``monitor`` are better.
+        keep_best_k: also keep the K best checkpoints by ``monitor``.
+        verify: check checkpoints before loading: ``"full"`` (checksums), ``"size"``, ``"none"``.
+        resume: ``"auto"`` resumes a fresh ``fit`` from the newest valid checkpoint in
+            ``dirpath``; ``"never"`` starts fresh (an explicit ``ckpt_path`` always wins).
+        timeout: how long ranks wait for each other in a save or load before failing.
+        signals: signal names that trigger a checkpoint-and-exit (empty: none).
+        exit_on_signal: exit the process after the signal checkpoint (else just stop fitting).
+        compression: ``None`` or ``"zstd"``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | float | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_end: bool = True,
+        async_save: bool = True,
+        when_busy: str = "wait",
+        keep_last_n: int | None = None,
+        keep_every_n_steps: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        keep_best_k: int | None = None,
+        verify: str = "full",
+        resume: str = "auto",
+        timeout: timedelta | float = timedelta(minutes=10),
+        signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+        exit_on_signal: bool = True,
+        compression: str | None = None,
+    ) -> None:
+        self.dirpath = None if dirpath is None else str(dirpath)
+        self.storage_options = dict(storage_options or {})
+        self._step_trigger = (
+            None if every_n_train_steps is None else EveryNSteps(every_n_train_steps)
+        )
+        self._epoch_trigger = None if every_n_epochs is None else EveryNEpochs(every_n_epochs)
+        seconds = _seconds(train_time_interval, "train_time_interval")
+        self._interval = None if seconds is None else EveryInterval(seconds)
+        self.save_on_train_end = save_on_train_end
+        self.async_save = async_save
+        if when_busy not in ("wait", "skip"):
+            raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        self.when_busy = when_busy
+        if mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        if keep_best_k is not None and not monitor:
+            raise ConfigError("keep_best_k needs monitor=<metric name>")
+        self.monitor, self.mode = monitor, mode
+        self._retention: list[Any] = []
+        if keep_last_n is not None:
+            self._retention.append(KeepLastN(keep_last_n))
+        if keep_every_n_steps is not None:
+            self._retention.append(KeepEveryNSteps(keep_every_n_steps))
+        if keep_best_k is not None:
+            assert monitor is not None
+            self._retention.append(KeepBestK(keep_best_k, monitor, mode))
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.verify = verify
+        if resume not in ("auto", "never"):
+            raise ConfigError(f"resume must be 'auto' or 'never', got {resume!r}")
+        self.resume = resume
+        timeout_s = _seconds(timeout, "timeout")
+        assert timeout_s is not None
+        self.timeout = timedelta(seconds=timeout_s)
+        self.signals = tuple(_signal_number(s) for s in signals)
+        self.exit_on_signal = exit_on_signal
+        if compression not in (None, "zstd"):
+            raise ConfigError(f"compression must be None or 'zstd', got {compression!r}")
+        self.compression = compression
+
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self.preempted_by: int | None = None
+        self._engine: CheckpointEngine | None = None
+        self._session: ElasticSession | None = None
+        self._flag: SignalFlag | None = None
+        self._agreement: Agreement | None = None
+        self._last_step = -1
+        self._pending: SaveHandle | None = None
+        self._requested = False
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath)
+
+    @property
+    def engine(self) -> CheckpointEngine:
+        if self._engine is None:
+            raise ConfigError("DistributedCheckpoint is not set up yet (it is set up by fit)")
+        return self._engine
+
+    def request_checkpoint(self) -> None:
+        """Ask for a checkpoint at the next step boundary (any rank may ask)."""
+        self._requested = True
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _check_strategy(trainer)
+        if self.dirpath is None:
+            self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+        session = ElasticSession.of(trainer, self.timeout)
+        session.timeout = self.timeout
+        self._session = session
+        self._engine = session.engine(
+            self.dirpath,
+            storage_options=self.storage_options,
+            async_save=self.async_save,
+            when_busy=self.when_busy,
+            retention=self._retention,
+            compression=self.compression,
+        )
+        self._agreement = Agreement(session.ensure_coordinator())
+        install_resume_hook(
+            trainer,
+            session,
+            self._engine,
+            auto=self.resume == "auto" and stage == "fit",
+            verify=self.verify,
+        )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.signals:
+            self._flag = SignalFlag(self.signals)
+            self._flag.install()  # after Lightning's own handlers: ours decide for all ranks
+        if self._interval is not None:
+            self._interval.start()
+        self._last_step = trainer.global_step  # never re-save the step we resumed at
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall_signals()
+        if self.save_on_train_end and trainer.global_step != self._last_step:
+            self._save(trainer, reason="train_end", blocking=True)
+        self._finish_pending(trainer, wait=True)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._uninstall_signals()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        uninstall_resume_hook(trainer)
+        try:
+            if self._session is not None:
+                self._session.close()
+        except Exception as exc:
+            # never mask the error that ended training (the save's error surfaced before)
+            log.error("closing the checkpoint engine failed: %r", exc)
+            if not trainer.interrupted:
+                raise
+        finally:
+            self._engine = None
+
+    # ------------------------------------------------------------------ triggers
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._session is not None:
+            self._session.on_train_batch_start()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._finish_pending(trainer, wait=False)
+        step = trainer.global_step
+        due = self._step_trigger is not None and self._step_trigger.due(step)
+        decision = None
+        if self._interval is not None or self._flag is not None or self._requested:
+            assert self._agreement is not None
+            decision = self._agreement.decide(
+                interval=self._interval, flag=self._flag, requested=self._requested
+            )
+            self._requested = False
+        if decision is not None and decision.signal:
+            self._preempt(trainer, decision.signal)
+            return
+        if (due or (decision is not None and decision.save)) and step != self._last_step:
+            self._save(trainer, reason="step" if due else "interval")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        due = self._epoch_trigger is not None and self._epoch_trigger.due(epoch)
+        if due and trainer.global_step != self._last_step:
+            self._save(trainer, reason="epoch")
+
+    # ------------------------------------------------------------------ saving
+
+    def _save(self, trainer: pl.Trainer, *, reason: str, blocking: bool | None = None) -> None:
+        assert self._session is not None and self._engine is not None
+        metrics = {}
+        if self.monitor is not None and self.monitor in trainer.callback_metrics:
+            metrics[self.monitor] = float(trainer.callback_metrics[self.monitor])
+        handle = self._session.save(self._engine, reason=reason, blocking=blocking, metrics=metrics)
+        if handle is None:  # skipped: the previous save is still being written
+            return
+        self._last_step = trainer.global_step
+        if self._interval is not None:
+            self._interval.saved()
+        self.last_model_path = self._engine.storage.display(handle.name)
+        score = metrics.get(self.monitor) if self.monitor else None
+        if score is not None and self._better(score):
+            self.best_model_score, self.best_model_path = score, self.last_model_path
+        if handle.done():
+            self._report(trainer, handle)
+        else:
+            self._pending = handle
+
+    def _better(self, score: float) -> bool:
+        best = self.best_model_score
+        return best is None or (score < best if self.mode == "min" else score > best)
+
+    def _finish_pending(self, trainer: pl.Trainer, *, wait: bool) -> None:
+        handle = self._pending
+        if handle is not None and (wait or handle.done()):
+            self._pending = None
+            self._report(trainer, handle)  # raises the save's error, on every rank
+
+    def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
+        result: SaveResult = handle.result()
+        seconds = max(result.total_s, 1e-9)
+        stats = {
+            "checkpoint/blocked_s": result.blocked_s,
+            "checkpoint/commit_s": result.total_s,
+            "checkpoint/bytes": float(result.bytes_written),
+            "checkpoint/GBps": result.bytes_written / seconds / 1e9,
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(stats, step=result.step)
+        log.info("checkpoint %s committed (%s)", result.location, stats)
+
+    def _preempt(self, trainer: pl.Trainer, signum: int) -> None:
+        name = signal_module.Signals(signum).name
+        log.warning(
+            "%s received on some rank: synchronous checkpoint at step %d, then exit",
+            name,
+            trainer.global_step,
+        )
+        self._finish_pending(trainer, wait=True)
+        if trainer.global_step != self._last_step:
+            self._save(trainer, reason=f"signal:{name}", blocking=True)
+        self.preempted_by = signum
+        self._uninstall_signals()
+        trainer.should_stop = True
+        if self.exit_on_signal:
+            raise SystemExit(128 + signum)
+
+    def _uninstall_signals(self) -> None:
+        if self._flag is not None:
+            self._flag.uninstall()
+            self._flag = None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "last_model_path": self.last_model_path,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best_model_path = state_dict.get("best_model_path", "")
+        self.best_model_score = state_dict.get("best_model_score")
+        self.last_model_path = state_dict.get("last_model_path", "")
+
+
+def _seconds(value: timedelta | float | None, name: str) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+def _signal_number(name: str | int) -> int:
+    if isinstance(name, int):
+        return name
+    try:
+        return int(
+            signal_module.Signals[
+                name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+            ]
+        )
+    except KeyError:
+        raise ConfigError(
+            f"unknown signal {name!r}; use names like 'SIGTERM' or 'SIGUSR1'"
+        ) from None
+
+
+def _check_strategy(trainer: pl.Trainer) -> None:
+    strategy = trainer.strategy
+    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+        return
+    raise ConfigError(
+        f"DistributedCheckpoint does not support {type(strategy).__name__}: use "
+        "strategy='elastic' (ElasticStrategy), 'ddp', 'ddp_spawn' or a single device"
+    )

@@ -1,0 +1,97 @@
+"""Hooking our checkpoints into Lightning's restore path, for any supported strategy.
+
+Lightning restores from ``trainer._checkpoint_connector.resume_start(path)``, called on every
+rank before the strategy sets up. We wrap that one method for the duration of a run:
+
+* ``path`` is one of our checkpoint directories: load it through the engine (verified,
+  resharded) instead of ``torch.load``;
+* ``path`` is ``None`` during ``fit`` with ``resume="auto"``: load the newest valid checkpoint
+  of the callback's directory, chosen once by rank 0 and broadcast, or start fresh.
+
+Lightning then restores model, callbacks, loops, optimizers and schedulers from the loaded
+dict as it would from its own file; per-rank state is handed back by the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+from lightning_elastic.core.engine import CheckpointEngine
+from lightning_elastic.core.manifest import MANIFEST_FILE
+from lightning_elastic.core.storage import Storage
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_elastic.lightning.session import ElasticSession
+
+__all__ = [
+    "install_resume_hook",
+    "is_elastic_checkpoint",
+    "split_checkpoint_path",
+    "uninstall_resume_hook",
+]
+
+log = logging.getLogger(__name__)
+_ORIGINAL = "_lightning_elastic_original_resume_start"
+
+
+def split_checkpoint_path(path: Any) -> tuple[str, str]:
+    """``root/name`` -> (root, name); works for local paths and URLs."""
+    text = str(path).rstrip("/")
+    root, _, name = text.rpartition("/")
+    return root or ".", name
+
+
+def is_elastic_checkpoint(path: Any, storage_options: dict[str, Any] | None = None) -> bool:
+    if path is None:
+        return False
+    try:
+        return Storage(str(path), storage_options=storage_options).exists(MANIFEST_FILE)
+    except Exception:
+        return False
+
+
+def install_resume_hook(
+    trainer: pl.Trainer,
+    session: ElasticSession,
+    engine: CheckpointEngine | None,
+    *,
+    auto: bool,
+    verify: str,
+) -> None:
+    connector = trainer._checkpoint_connector
+    uninstall_resume_hook(trainer)
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        if checkpoint_path is None and auto and engine is not None:
+            checkpoint = session.load(engine, name=None, verify=verify)
+            if checkpoint is None:
+                rank_zero_info(f"no valid checkpoint in {engine.storage.display()}: starting fresh")
+                return original(checkpoint_path, weights_only=weights_only)
+        elif is_elastic_checkpoint(checkpoint_path):
+            root, name = split_checkpoint_path(checkpoint_path)
+            checkpoint = session.load(session.engine(root), name=name, verify=verify)
+        else:
+            return original(checkpoint_path, weights_only=weights_only)
+        assert checkpoint is not None and session.resumed is not None
+        location = session.resumed.info.location
+        rank_zero_info(f"Restoring states from the checkpoint at {location}")
+        connector._ckpt_path = location
+        connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, location)
+        return None
+
+    setattr(connector, _ORIGINAL, original)
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
+def uninstall_resume_hook(trainer: pl.Trainer) -> None:
+    connector = trainer._checkpoint_connector
+    original = connector.__dict__.pop(_ORIGINAL, None)
+    if original is not None:
+        connector.__dict__.pop("resume_start", None)

@@ -1,0 +1,308 @@
+"""What the callback and the strategy share for one Trainer: the checkpoint coordinator,
+engines, and the state to hand back after a resume (RNG, data position, metric states).
+
+Saved per checkpoint (through the engine):
+
+* replicated: Lightning's own checkpoint dict (model, optimizers, schedulers, loops,
+  callbacks, precision plugin, datamodule, hyperparameters) plus ``"lightning_elastic"``:
+  the data position and the world size that wrote it;
+* per rank: RNG states (Python, NumPy, torch, CUDA) and torchmetrics states;
+* manifest metadata: reason, step, epoch, JSON-safe hyperparameters, the LightningCLI
+  configuration (resolved), and the topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_elastic.core import rng
+from lightning_elastic.core.coordinator import Coordinator
+from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
+from lightning_elastic.core.loader import LoadResult
+from lightning_elastic.core.resharding import DataPosition
+from lightning_elastic.errors import CheckpointNotFoundError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_elastic.lightning.data import ElasticSampler
+
+__all__ = ["ELASTIC_KEY", "ElasticSession"]
+
+log = logging.getLogger(__name__)
+ELASTIC_KEY = "lightning_elastic"
+_ATTR = "_lightning_elastic_session"
+
+
+class ElasticSession:
+    """Per-trainer state (attached to ``trainer.strategy``); see :meth:`of`."""
+
+    def __init__(self, trainer: pl.Trainer, timeout: timedelta) -> None:
+        self.trainer = trainer
+        self.timeout = timeout
+        self.coordinator: Coordinator | None = None
+        self.engines: dict[str, CheckpointEngine] = {}
+        self.sampler: ElasticSampler | None = None
+        self.pending_position: DataPosition | None = None
+        self.pending_rank_state: dict[str, Any] | None = None
+        self.resumed: LoadResult | None = None
+        self._config: str | bool | None = False  # False: not looked up yet
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
+        session = getattr(trainer.strategy, _ATTR, None)
+        if session is None or session.trainer is not trainer:
+            session = cls(trainer, timeout)
+            setattr(trainer.strategy, _ATTR, session)
+        return session
+
+    # ------------------------------------------------------------------ plumbing
+
+    def ensure_coordinator(self) -> Coordinator:
+        """Create the dedicated gloo group on first use: every rank must call this together."""
+        if self.coordinator is None:
+            self.coordinator = Coordinator.from_environment(timeout=self.timeout)
+        return self.coordinator
+
+    def engine(self, root: str, **options: Any) -> CheckpointEngine:
+        """The engine for ``root`` (created collectively on first use, then reused)."""
+        key = str(root)
+        if key not in self.engines:
+            self.engines[key] = CheckpointEngine(
+                root, coordinator=self.ensure_coordinator(), timeout=self.timeout, **options
+            )
+        return self.engines[key]
+
+    def close(self) -> None:
+        errors = []
+        for engine in self.engines.values():
+            try:
+                engine.close()
+            except Exception as exc:  # close every engine, then report
+                errors.append(exc)
+        self.engines.clear()
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        engine: CheckpointEngine,
+        *,
+        reason: str,
+        blocking: bool | None = None,
+        name: str | None = None,
+        overwrite: bool = False,
+        metrics: Mapping[str, float] | None = None,
+        checkpoint: dict[str, Any] | None = None,
+    ) -> SaveHandle | None:
+        """Save the trainer's full state (every rank calls this together)."""
+        trainer = self.trainer
+        if checkpoint is None:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        position = self.data_position()
+        world = self.ensure_coordinator().world_size
+        state = dict(checkpoint)
+        state[ELASTIC_KEY] = {
+            "world_size": world,
+            "position": None if position is None else dataclasses.asdict(position),
+        }
+        metadata: dict[str, Any] = {
+            "reason": reason,
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "topology": topology(world),
+            "hparams": _jsonable(getattr(trainer.lightning_module, "hparams", {})),
+        }
+        config = self.config_yaml()
+        if config is not None:
+            metadata["config"] = config
+        return engine.save(
+            state,
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            metrics=metrics,
+            metadata=metadata,
+            rank_state={"rng": rng.capture(), "metrics": metric_states(trainer.lightning_module)},
+            name=name,
+            overwrite=overwrite,
+            blocking=blocking,
+        )
+
+    def data_position(self) -> DataPosition | None:
+        """Where the training epoch stands, from the loop's own batch counter."""
+        sampler = self.sampler
+        trainer = self.trainer
+        if sampler is None or not trainer.training:
+            return None
+        batches = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+        position = sampler.position(batches)
+        remaining = len(sampler) - batches * sampler.batch_size
+        if remaining <= 0:  # the epoch is complete: resume at the start of the next one
+            return DataPosition(
+                epoch=position.epoch + 1, consumed=0, world_size=position.world_size
+            )
+        return position
+
+    def config_yaml(self) -> str | None:
+        """The LightningCLI configuration (resolved), when the run was started by one."""
+        if self._config is False:
+            self._config = None
+            for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
+                parser = getattr(callback, "parser", None)
+                config = getattr(callback, "config", None)
+                if parser is not None and config is not None and hasattr(parser, "dump"):
+                    try:
+                        self._config = str(parser.dump(config, skip_none=False, skip_check=True))
+                    except Exception as exc:  # the config is informative only
+                        log.warning("could not serialize the LightningCLI config: %r", exc)
+                    break
+        return self._config if isinstance(self._config, str) else None
+
+    # ------------------------------------------------------------------ loading
+
+    def load(
+        self, engine: CheckpointEngine, *, name: str | None, verify: str
+    ) -> dict[str, Any] | None:
+        """Load a checkpoint (``name``, or the newest valid one) for the trainer to restore.
+
+        Returns Lightning's checkpoint dict, or ``None`` when ``name`` is None and there is no
+        valid checkpoint. Per-rank state is kept and handed back at the first training batch.
+        """
+        try:
+            result = engine.load(None, checkpoint=name, verify=verify)
+        except CheckpointNotFoundError:
+            if name is not None:
+                raise
+            return None
+        assert result.state is not None
+        checkpoint = result.state
+        elastic = checkpoint.pop(ELASTIC_KEY, None) or {}
+        saved_world = int(elastic.get("world_size") or result.manifest.world_size)
+        world = self.ensure_coordinator().world_size
+        position = elastic.get("position")
+        self.pending_position = DataPosition(**position) if position else None
+        self.pending_rank_state = result.rank_state or {}
+        self.resumed = result
+        if saved_world != world:
+            log.warning(
+                "resuming %s written by %d ranks on %d ranks: rank-local state of new ranks is "
+                "derived from the seed; the epoch's remaining samples are redistributed",
+                result.info.location,
+                saved_world,
+                world,
+            )
+        saved_topology = result.manifest.metadata.get("topology")
+        if saved_topology is not None and saved_topology != topology(world):
+            log.info("topology changed: was %s, now %s", saved_topology, topology(world))
+        return checkpoint
+
+    def adopt_sampler(self, sampler: ElasticSampler | None) -> None:
+        """A training dataloader was (re)built: continue the epoch where the checkpoint left it."""
+        self.sampler = sampler
+        if sampler is not None and self.pending_position is not None:
+            sampler.resume(self.pending_position)
+            self.pending_position = None
+
+    def on_train_batch_start(self) -> None:
+        """Right before the first resumed step: put back this rank's RNG and metric states
+        (after dataloader iterators were created, so they cannot shift the streams)."""
+        pending = self.pending_rank_state
+        if pending is None:
+            return
+        self.pending_rank_state = None
+        states = pending.get("rng")
+        if states is None:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            states = rng.derived_states(seed, self.ensure_coordinator().rank)
+        rng.restore(states)
+        restore_metric_states(self.trainer.lightning_module, pending.get("metrics") or {})
+
+
+def topology(world: int) -> dict[str, int]:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {
+        "world_size": world,
+        "local_world_size": local,
+        "nodes": max(1, math.ceil(world / local)),
+    }
+
+
+def metric_states(module: torch.nn.Module) -> dict[str, Any]:
+    """Every torchmetrics ``Metric``'s accumulated state, by module name (this rank's)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return {}
+    out: dict[str, Any] = {}
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric):
+            out[name] = {
+                "state": {k: _detach(v) for k, v in metric.metric_state.items()},
+                "update_count": metric._update_count,
+            }
+    return out
+
+
+def restore_metric_states(module: torch.nn.Module, states: Mapping[str, Any]) -> None:
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric) and name in states:
+            saved = states[name]
+            for attr, value in saved["state"].items():
+                setattr(metric, attr, _to_device(value, metric.device))
+            metric._update_count = int(saved["update_count"])
+            metric._computed = None
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, list):
+        return [_detach(v) for v in value]
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON-safe rendering of hyperparameters (unknown objects become their repr)."""
+    try:
+        from omegaconf import Container, OmegaConf
+
+        if isinstance(value, Container):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)

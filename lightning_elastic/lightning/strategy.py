@@ -1,0 +1,233 @@
+"""``ElasticStrategy``: DDP whose checkpoints are sharded, verified and world-size independent.
+
+Differences from Lightning's ``DDPStrategy`` (everything else is DDP as usual):
+
+* ``trainer.save_checkpoint(path)`` writes a sharded, committed checkpoint *directory* at
+  ``path`` through the engine (every rank writes its share; replicated tensors once), with
+  per-rank RNG and metric states; ``fit(ckpt_path=path)`` loads one back at any world size;
+* map-style training dataloaders get an :class:`~lightning_elastic.lightning.data.ElasticSampler`
+  so a resume continues the epoch where it stopped (no batch replayed or skipped);
+* under ``torchrun`` the devices and nodes come from ``LOCAL_WORLD_SIZE``/``WORLD_SIZE`` (so
+  ``devices="auto"`` works on CPU and the world may change between restarts);
+* the signature lists the few DDP options it forwards instead of ``**kwargs``, so a config
+  saved by LightningCLI does not depend on the installed torch's DDP keywords.
+
+Registered as ``strategy="elastic"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.fabric.plugins.io import CheckpointIO
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage
+from torch.distributed.constants import default_pg_timeout
+
+from lightning_elastic.core.integrity import VERIFY_MODES
+from lightning_elastic.errors import ConfigError
+from lightning_elastic.lightning.data import make_elastic
+from lightning_elastic.lightning.resume import is_elastic_checkpoint, split_checkpoint_path
+from lightning_elastic.lightning.session import ElasticSession
+
+__all__ = ["ElasticStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class ElasticStrategy(DDPStrategy):
+    """DDP with sharded, asynchronous, elastic checkpoints.
+
+    Args:
+        accelerator: the accelerator (default: chosen by the Trainer).
+        parallel_devices: devices of this node (default: from the Trainer; under torchrun,
+            ``LOCAL_WORLD_SIZE`` of them).
+        cluster_environment: the cluster environment (default: detected).
+        checkpoint_io: used only for plain (non-elastic) checkpoint files.
+        precision_plugin: the precision plugin (default: from the Trainer).
+        process_group_backend: backend of the training process group (default: nccl on
+            GPUs, gloo on CPUs). Checkpoint traffic always uses its own gloo group.
+        timeout: timeout of the training process group.
+        start_method: how Lightning starts the processes (``"popen"``, ``"spawn"``, ...).
+        find_unused_parameters: forwarded to ``DistributedDataParallel``.
+        static_graph: forwarded to ``DistributedDataParallel``.
+        gradient_as_bucket_view: forwarded to ``DistributedDataParallel``.
+        checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load.
+        verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
+    """
+
+    strategy_name = "elastic"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        checkpoint_timeout: timedelta = timedelta(minutes=10),
+        verify: str = "full",
+    ) -> None:
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ConfigError(
+                f"start_method {start_method!r} is not one of popen/spawn/fork/forkserver"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        self.checkpoint_timeout = checkpoint_timeout
+        self.verify = verify
+
+    # ------------------------------------------------------------------ torchrun topology
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        local = _torchrun("LOCAL_WORLD_SIZE")
+        if devices and local and len(devices) != local:
+            kind = devices[0].type
+            devices = [
+                torch.device(kind) if kind == "cpu" else torch.device(kind, i) for i in range(local)
+            ]
+        self._parallel_devices = devices
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        world, local = _torchrun("WORLD_SIZE"), _torchrun("LOCAL_WORLD_SIZE")
+        if world and local and world % local == 0:
+            num_nodes = world // local
+        self._num_nodes = num_nodes
+
+    # ------------------------------------------------------------------ data
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        dataloader, sampler = make_elastic(
+            dataloader, num_replicas=self.world_size, rank=self.global_rank
+        )
+        self._session(trainer).adopt_sampler(sampler)
+        return dataloader
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Every rank writes its share of ``checkpoint`` into the directory ``filepath``."""
+        trainer = self._trainer()
+        root, name = split_checkpoint_path(filepath)
+        session = self._session(trainer)
+        options = dict(storage_options or {}) if isinstance(storage_options, dict) else {}
+        engine = session.engine(root, storage_options=options)
+        handle = session.save(
+            engine,
+            reason="save_checkpoint",
+            name=name,
+            overwrite=True,
+            checkpoint=checkpoint,
+            blocking=True,
+        )
+        assert handle is not None
+        handle.result()
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not is_elastic_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self._trainer()
+        root, name = split_checkpoint_path(checkpoint_path)
+        session = self._session(trainer)
+        checkpoint = session.load(session.engine(root), name=name, verify=self.verify)
+        assert checkpoint is not None
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not is_elastic_checkpoint(filepath):
+            super().remove_checkpoint(filepath)
+            return
+        if self.is_global_zero:
+            from lightning_elastic.core.catalog import Catalog
+            from lightning_elastic.core.saver import delete_checkpoint
+            from lightning_elastic.core.storage import Storage
+
+            root, name = split_checkpoint_path(filepath)
+            storage = Storage(root)
+            delete_checkpoint(storage, Catalog(storage), name)
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._session(trainer).on_train_batch_start()
+
+    def teardown(self) -> None:
+        session = getattr(self, "_lightning_elastic_session", None)
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            super().teardown()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _trainer(self) -> Any:
+        if self.lightning_module is None or self.lightning_module._trainer is None:
+            raise ConfigError("ElasticStrategy checkpoints need a Trainer that is set up")
+        return self.lightning_module.trainer
+
+    def _session(self, trainer: Any) -> ElasticSession:
+        return ElasticSession.of(trainer, self.checkpoint_timeout)
+
+
+def _torchrun(name: str) -> int | None:
+    """A torchrun-provided size, only when running under torchrun/TorchElastic."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+StrategyRegistry.register(
+    "elastic",
+    ElasticStrategy,
+    description="DDP with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
+)

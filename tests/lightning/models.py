@@ -1,0 +1,83 @@
+"""A tiny LightningModule and data for the Lightning tests (module level: they pickle)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader, Dataset
+
+
+class IdDataset(Dataset):
+    """Sample ``i`` is (i, x_i, y_i) with fixed random features."""
+
+    def __init__(self, n: int = 64, dim: int = 8) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+class TinyModule(pl.LightningModule):
+    """MLP with dropout, Adam and a step-wise LR scheduler; records every step's loss and the
+    sample ids it trained on; can SIGKILL itself at a given global step."""
+
+    def __init__(
+        self, n: int = 64, batch_size: int = 4, kill_at: int = -1, lr: float = 0.01, hidden: int = 32
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(hidden, 1)
+        )
+        self.train_mae = torchmetrics.MeanAbsoluteError()
+        self.losses: list[tuple[int, float]] = []
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.hparams.kill_at:
+            checkpoint = next(
+                c for c in self.trainer.callbacks if type(c).__name__ == "DistributedCheckpoint"
+            )
+            checkpoint.engine.wait()  # the last async checkpoint is committed; now we die
+            os.kill(os.getpid(), signal.SIGKILL)
+        ids, x, y = batch
+        pred = self.net(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.train_mae.update(pred.detach(), y)
+        self.losses.append((self.global_step, loss.item()))
+        self.seen.append((self.current_epoch, ids.tolist()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IdDataset(self.hparams.n), batch_size=self.hparams.batch_size, shuffle=True)
+
+
+def make_trainer(root: str, *, max_steps: int, strategy: Any = "elastic", devices: Any = 2, callbacks: list | None = None, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        default_root_dir=root,
+        callbacks=callbacks or [],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
