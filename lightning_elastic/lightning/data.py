@@ -166,6 +166,6 @@ def make_elastic(
     # Lightning treats loaders with state_dict/load_state_dict as resumable mid-epoch (and
     # otherwise warns that they are not). Ours is: the position travels per checkpoint with
     # the rest of our state, so Lightning's own copy is left empty.
-    rebuilt.state_dict = dict  # type: ignore[attr-defined]
-    rebuilt.load_state_dict = lambda state: None  # type: ignore[attr-defined]
+    rebuilt.state_dict = dict
+    rebuilt.load_state_dict = lambda state: None
     return rebuilt, elastic
