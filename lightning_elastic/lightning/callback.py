@@ -35,7 +35,12 @@ from lightning_elastic.core.triggers import (
     SignalFlag,
 )
 from lightning_elastic.errors import ConfigError
-from lightning_elastic.lightning.resume import install_resume_hook, uninstall_resume_hook
+from lightning_elastic.lightning.resume import (
+    install_dataloader_hook,
+    install_resume_hook,
+    uninstall_dataloader_hook,
+    uninstall_resume_hook,
+)
 from lightning_elastic.lightning.session import ElasticSession
 
 if TYPE_CHECKING:
@@ -192,6 +197,7 @@ class DistributedCheckpoint(Checkpoint):
             auto=self.resume == "auto" and stage == "fit",
             verify=self.verify,
         )
+        install_dataloader_hook(trainer, session)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.signals:
@@ -214,6 +220,7 @@ class DistributedCheckpoint(Checkpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         uninstall_resume_hook(trainer)
+        uninstall_dataloader_hook(trainer)
         try:
             if self._session is not None:
                 self._session.close()

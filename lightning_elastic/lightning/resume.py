@@ -38,6 +38,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _ORIGINAL = "_lightning_elastic_original_resume_start"
+_ORIGINAL_PROCESS = "_lightning_elastic_original_process_dataloader"
 
 
 def split_checkpoint_path(path: Any) -> tuple[str, str]:
@@ -88,6 +89,27 @@ def install_resume_hook(
 
     setattr(connector, _ORIGINAL, original)
     connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
+def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> None:
+    """For strategies other than ElasticStrategy: route their ``process_dataloader`` through
+    the session so training dataloaders get a resumable sampler too."""
+    strategy = trainer.strategy
+    if _ORIGINAL_PROCESS in strategy.__dict__ or hasattr(type(strategy), "_session"):
+        return  # already hooked, or an ElasticStrategy (which does it itself)
+    original = strategy.process_dataloader
+
+    def process_dataloader(dataloader: object) -> object:
+        return session.process_train_dataloader(original(dataloader))
+
+    setattr(strategy, _ORIGINAL_PROCESS, original)
+    strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+
+def uninstall_dataloader_hook(trainer: pl.Trainer) -> None:
+    strategy = trainer.strategy
+    if strategy.__dict__.pop(_ORIGINAL_PROCESS, None) is not None:
+        strategy.__dict__.pop("process_dataloader", None)
 
 
 def uninstall_resume_hook(trainer: pl.Trainer) -> None:

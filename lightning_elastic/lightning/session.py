@@ -207,6 +207,22 @@ class ElasticSession:
             log.info("topology changed: was %s, now %s", saved_topology, topology(world))
         return checkpoint
 
+    def process_train_dataloader(self, dataloader: object) -> object:
+        """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
+        other dataloaders pass through."""
+        from lightning.pytorch.trainer.states import RunningStage
+
+        from lightning_elastic.lightning.data import make_elastic
+
+        trainer = self.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        dataloader, sampler = make_elastic(
+            dataloader, num_replicas=trainer.world_size, rank=trainer.global_rank
+        )
+        self.adopt_sampler(sampler)
+        return dataloader
+
     def adopt_sampler(self, sampler: ElasticSampler | None) -> None:
         """A training dataloader was (re)built: continue the epoch where the checkpoint left it."""
         self.sampler = sampler

@@ -28,12 +28,10 @@ from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_elastic.core.integrity import VERIFY_MODES
 from lightning_elastic.errors import ConfigError
-from lightning_elastic.lightning.data import make_elastic
 from lightning_elastic.lightning.resume import is_elastic_checkpoint, split_checkpoint_path
 from lightning_elastic.lightning.session import ElasticSession
 
@@ -136,13 +134,9 @@ class ElasticStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if trainer is None:
             return dataloader
-        dataloader, sampler = make_elastic(
-            dataloader, num_replicas=self.world_size, rank=self.global_rank
-        )
-        self._session(trainer).adopt_sampler(sampler)
-        return dataloader
+        return self._session(trainer).process_train_dataloader(dataloader)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,12 +33,23 @@ class TinyModule(pl.LightningModule):
     sample ids it trained on; can SIGKILL itself at a given global step."""
 
     def __init__(
-        self, n: int = 64, batch_size: int = 4, kill_at: int = -1, lr: float = 0.01, hidden: int = 32
+        self,
+        n: int = 64,
+        batch_size: int = 4,
+        kill_at: int = -1,
+        lr: float = 0.01,
+        hidden: int = 32,
+        signal_at: int = -1,
+        signal_rank: int = 0,
+        step_sleep: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(hidden, 1)
+            torch.nn.Linear(8, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(hidden, 1),
         )
         self.train_mae = torchmetrics.MeanAbsoluteError()
         self.losses: list[tuple[int, float]] = []
@@ -50,6 +62,13 @@ class TinyModule(pl.LightningModule):
             )
             checkpoint.engine.wait()  # the last async checkpoint is committed; now we die
             os.kill(os.getpid(), signal.SIGKILL)
+        if (
+            self.global_step == self.hparams.signal_at
+            and self.global_rank == self.hparams.signal_rank
+        ):
+            os.kill(os.getpid(), signal.SIGTERM)  # only this rank is told to stop
+        if self.hparams.step_sleep:
+            time.sleep(self.hparams.step_sleep)
         ids, x, y = batch
         pred = self.net(x)
         loss = torch.nn.functional.mse_loss(pred, y)
@@ -64,10 +83,20 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(IdDataset(self.hparams.n), batch_size=self.hparams.batch_size, shuffle=True)
+        return DataLoader(
+            IdDataset(self.hparams.n), batch_size=self.hparams.batch_size, shuffle=True
+        )
 
 
-def make_trainer(root: str, *, max_steps: int, strategy: Any = "elastic", devices: Any = 2, callbacks: list | None = None, **kwargs: Any) -> pl.Trainer:
+def make_trainer(
+    root: str,
+    *,
+    max_steps: int,
+    strategy: Any = "elastic",
+    devices: Any = 2,
+    callbacks: list | None = None,
+    **kwargs: Any,
+) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,

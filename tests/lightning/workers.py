@@ -2,27 +2,63 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy
 from tests.lightning.models import TinyModule, make_trainer
 
 
-def fit(root: str, max_steps: int, kill_at: int = -1, every: int = 5, strategy: str = "elastic", **cb: object) -> dict:
+def _strategy(name: str) -> Any:
+    return ElasticStrategy() if name == "elastic" else name
+
+
+def fit(
+    root: str,
+    max_steps: int,
+    kill_at: int = -1,
+    every: int | None = 5,
+    strategy: str = "elastic",
+    devices: int = 2,
+    model_kwargs: dict | None = None,
+    **cb: Any,
+) -> dict:
     pl.seed_everything(7, verbose=False)
-    model = TinyModule(kill_at=kill_at)
+    model = TinyModule(kill_at=kill_at, **(model_kwargs or {}))
     checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every, **cb)
     trainer = make_trainer(
         root,
         max_steps=max_steps,
-        strategy=ElasticStrategy() if strategy == "elastic" else strategy,
+        strategy=_strategy(strategy),
+        devices=devices,
         callbacks=[checkpoint],
     )
-    trainer.fit(model)
-    return {
-        "losses": model.losses,
-        "seen": model.seen,
-        "global_step": trainer.global_step,
-        "last": checkpoint.last_model_path,
-        "resumed_from": trainer.ckpt_path,
-    }
+    out: dict[str, Any] = {}
+    try:
+        trainer.fit(model)
+    except SystemExit as exc:
+        out["exit"] = exc.code
+    out.update(
+        losses=model.losses,
+        seen=model.seen,
+        global_step=trainer.global_step,
+        last=checkpoint.last_model_path,
+        best=checkpoint.best_model_path,
+        resumed_from=trainer.ckpt_path,
+        preempted_by=checkpoint.preempted_by,
+    )
+    return out
+
+
+def save_then_fit_ckpt_path(root: str) -> dict:
+    """trainer.save_checkpoint(path) with ElasticStrategy, then fit(ckpt_path=path)."""
+    pl.seed_everything(7, verbose=False)
+    first = make_trainer(root, max_steps=6, strategy=ElasticStrategy())
+    first.fit(TinyModule())
+    path = f"{root}/manual.ckpt"
+    first.save_checkpoint(path)
+    model = TinyModule()
+    second = make_trainer(root, max_steps=9, strategy=ElasticStrategy())
+    second.fit(model, ckpt_path=path)
+    return {"steps": [s for s, _ in model.losses], "ckpt_path": second.ckpt_path}

@@ -29,10 +29,18 @@ def samplers(n, world, batch_size, **kw) -> list[ElasticSampler]:
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_fresh_epoch_equals_distributed_sampler(n, world, shuffle, drop_last) -> None:
     for rank in range(world):
-        ours = ElasticSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=7,
-                              drop_last=drop_last, batch_size=4)
-        theirs = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle,
-                                    seed=7, drop_last=drop_last)
+        ours = ElasticSampler(
+            range(n),
+            num_replicas=world,
+            rank=rank,
+            shuffle=shuffle,
+            seed=7,
+            drop_last=drop_last,
+            batch_size=4,
+        )
+        theirs = DistributedSampler(
+            range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last
+        )
         for epoch in (0, 3):
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
@@ -40,7 +48,9 @@ def test_fresh_epoch_equals_distributed_sampler(n, world, shuffle, drop_last) ->
             assert len(ours) == len(theirs)
 
 
-@pytest.mark.parametrize(("n", "world", "bs", "done"), [(64, 2, 4, 3), (97, 3, 5, 2), (10, 2, 2, 1)])
+@pytest.mark.parametrize(
+    ("n", "world", "bs", "done"), [(64, 2, 4, 3), (97, 3, 5, 2), (10, 2, 2, 1)]
+)
 def test_same_world_resume_continues_exactly(n, world, bs, done) -> None:
     fresh = samplers(n, world, bs, seed=3)
     for s in fresh:

@@ -451,7 +451,9 @@ def test_load_without_template_rebuilds_exact_structure(engine: CheckpointEngine
     assert set(loaded["optim"]["state"]) == {0, 1}  # int keys survive
     fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())
     fresh.load_state_dict(loaded["optim"])
-    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
 
 
 def test_template_with_int_keyed_objects_keeps_keys(engine: CheckpointEngine) -> None:

@@ -1,0 +1,153 @@
+"""DistributedCheckpoint + ElasticStrategy on 2 CPU processes (and 1 for single device)."""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic import CorruptCheckpointWarning, DistributedCheckpoint
+from lightning_elastic.errors import ConfigError
+from lightning_elastic.testing.spawn import run_distributed
+from tests.lightning import workers
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_STEPS = 20  # 64 samples, 2 ranks x batch 4: 8 steps per epoch -> resume at 10 is mid-epoch
+
+
+def manifests(root: Path) -> dict[int, dict]:
+    out = {}
+    for path in sorted((root / "ckpts").glob("*/manifest.json")):
+        body = json.loads(path.read_text())
+        out[body["step"]] = body
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    return run_distributed(workers.fit, 2, str(root), MAX_STEPS)
+
+
+def assert_same_tail(reference: dict, resumed: dict, first_step: int) -> None:
+    ref = dict(reference["losses"])
+    got = dict(resumed["losses"])
+    assert sorted(got) == list(range(first_step, MAX_STEPS))
+    mismatched = [(s, ref[s], got[s]) for s in got if ref[s] != got[s]]
+    assert not mismatched, f"losses differ after resume: {mismatched[:3]}"
+    # the same batches, in the same order: nothing replayed or skipped
+    assert reference["seen"][first_step:] == resumed["seen"]
+
+
+@pytest.mark.parametrize("strategy", ["elastic", "ddp"])
+def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, strategy) -> None:
+    run_distributed(workers.fit, 2, str(tmp_path), MAX_STEPS, 13, strategy=strategy, may_die={0, 1})
+    assert sorted(manifests(tmp_path)) == [5, 10]
+    resumed = run_distributed(workers.fit, 2, str(tmp_path), MAX_STEPS, strategy=strategy)
+    for rank in range(2):
+        assert resumed[rank]["resumed_from"].endswith("step_000000010")
+        assert_same_tail(uninterrupted[rank], resumed[rank], 10)
+    body = manifests(tmp_path)[20]
+    assert body["world_size"] == 2 and body["metadata"]["reason"] in ("step", "train_end")
+    assert body["metadata"]["hparams"]["batch_size"] == 4
+
+
+def test_single_device_resumes_bitwise(tmp_path) -> None:
+    reference = workers.fit(str(tmp_path / "ref"), MAX_STEPS, strategy="auto", devices=1)
+    # in-process, a SIGKILL would end pytest: the first run just stops at step 12 unsaved
+    workers.fit(str(tmp_path / "run"), 12, strategy="auto", devices=1, save_on_train_end=False)
+    resumed = workers.fit(str(tmp_path / "run"), MAX_STEPS, strategy="auto", devices=1)
+    assert resumed["resumed_from"].endswith("step_000000010")
+    assert_same_tail(reference, resumed, 10)
+
+
+def test_autoresume_falls_back_past_corrupt_newest(tmp_path, uninterrupted) -> None:
+    run_distributed(workers.fit, 2, str(tmp_path), MAX_STEPS, 18, may_die={0, 1})
+    newest = tmp_path / "ckpts" / "step_000000015"
+    shard = next(newest.glob("*rank00001.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    resumed = run_distributed(workers.fit, 2, str(tmp_path), MAX_STEPS)
+    for rank in range(2):
+        assert resumed[rank]["resumed_from"].endswith("step_000000010")
+        assert_same_tail(uninterrupted[rank], resumed[rank], 10)
+    assert (newest / "_quarantine.json").exists() and shard.exists()  # kept, never deleted
+
+
+def test_sigterm_on_rank_1_only_checkpoints_and_exits_on_all_ranks(tmp_path) -> None:
+    kwargs = {"model_kwargs": {"signal_at": 7, "signal_rank": 1}}
+    results = run_distributed(workers.fit, 2, str(tmp_path), 50, every=None, **kwargs, timeout=120)
+    for r in results:
+        assert r["exit"] == 128 + signal.SIGTERM
+        assert r["preempted_by"] == signal.SIGTERM
+        assert r["global_step"] == 8  # both ranks stopped at the same step boundary
+    body = manifests(tmp_path)[8]
+    assert body["metadata"]["reason"] == "signal:SIGTERM"
+    resumed = run_distributed(workers.fit, 2, str(tmp_path), 12, every=None)
+    assert all(
+        r["resumed_from"].endswith("step_000000008") and r["global_step"] == 12 for r in resumed
+    )
+
+
+def test_time_interval_is_agreed_by_all_ranks(tmp_path) -> None:
+    kwargs = {"model_kwargs": {"step_sleep": 0.03}}
+    results = run_distributed(
+        workers.fit, 2, str(tmp_path), 16, every=None, train_time_interval=0.15, **kwargs
+    )
+    steps = sorted(manifests(tmp_path))
+    assert len(steps) >= 3 and steps[-1] == 16  # interval saves plus the one at train end
+    assert results[0]["last"] == results[1]["last"]
+
+
+def test_retention_and_paths(tmp_path) -> None:
+    results = run_distributed(workers.fit, 2, str(tmp_path), MAX_STEPS, every=2, keep_last_n=2)
+    assert sorted(manifests(tmp_path)) == [18, 20]
+    assert (
+        results[0]["last"].endswith("step_000000020") and results[0]["last"] == results[1]["last"]
+    )
+
+
+def test_save_checkpoint_and_fit_ckpt_path(tmp_path) -> None:
+    results = run_distributed(workers.save_then_fit_ckpt_path, 2, str(tmp_path))
+    assert (tmp_path / "manual.ckpt" / "manifest.json").exists()
+    for r in results:
+        assert r["steps"] == [6, 7, 8] and r["ckpt_path"].endswith("manual.ckpt")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_n_train_steps": 0}, "every_n_train_steps"),
+        ({"train_time_interval": -1}, "train_time_interval"),
+        ({"keep_best_k": 2}, "monitor"),
+        ({"mode": "avg"}, "mode"),
+        ({"verify": "md5"}, "verify"),
+        ({"resume": "maybe"}, "resume"),
+        ({"signals": ["SIGNOPE"]}, "signal"),
+        ({"when_busy": "queue"}, "when_busy"),
+        ({"compression": "lz4"}, "compression"),
+        ({"keep_last_n": 0}, "keep_last_n"),
+    ],
+)
+def test_options_are_validated(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DistributedCheckpoint("/tmp/x", **kwargs)
+
+
+def test_unsupported_strategy_fails_at_setup() -> None:
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_elastic.lightning.callback import _check_strategy
+
+    trainer = SimpleNamespace(strategy=MagicMock(spec=FSDPStrategy))
+    with pytest.raises(ConfigError, match="strategy='elastic'"):
+        _check_strategy(trainer)  # type: ignore[arg-type]
+
+
+def test_corrupt_warning_type_is_public() -> None:
+    assert issubclass(CorruptCheckpointWarning, UserWarning)
