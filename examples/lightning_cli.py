@@ -43,16 +43,25 @@ class DemoData(pl.LightningDataModule):
 
 
 class DemoModel(pl.LightningModule):
-    def __init__(self, dim: int = 16, hidden: int = 64, lr: float = 0.01, kill_at_step: int | None = None) -> None:
+    def __init__(
+        self, dim: int = 16, hidden: int = 64, lr: float = 0.01, kill_at_step: int | None = None
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(hidden, 1)
+            torch.nn.Linear(dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(hidden, 1),
         )
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         if self.global_step == self.hparams.kill_at_step:
-            print(f"[rank {self.global_rank}] simulated crash at step {self.global_step}", flush=True)
+            print(
+                f"[rank {self.global_rank}] simulated crash at step {self.global_step}", flush=True
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)

@@ -280,6 +280,7 @@ class DistributedCheckpoint(Checkpoint):
         handle = self._session.save(self._engine, reason=reason, blocking=blocking, metrics=metrics)
         if handle is None:  # skipped: the previous save is still being written
             return
+        self._finish_pending(trainer, wait=True)  # the engine waited for it: report it
         self._last_step = trainer.global_step
         if self._interval is not None:
             self._interval.saved()

@@ -36,9 +36,18 @@ def test_lightning_cli_fit_kill_fit_again(tmp_path, capsys) -> None:
     # omegaconf resolves ${trainer.default_root_dir} when the file is parsed, so the
     # directory is set in (a copy of) the file rather than overridden on the command line
     config = (ROOT / "examples" / "config.yaml").read_text()
-    (tmp_path / "config.yaml").write_text(config.replace("default_root_dir: demo_run", f"default_root_dir: {run_dir}"))
-    base = [sys.executable, str(ROOT / "examples" / "lightning_cli.py"), "fit",
-            "--config", str(tmp_path / "config.yaml"), "--trainer.max_steps", "40"]
+    (tmp_path / "config.yaml").write_text(
+        config.replace("default_root_dir: demo_run", f"default_root_dir: {run_dir}")
+    )
+    base = [
+        sys.executable,
+        str(ROOT / "examples" / "lightning_cli.py"),
+        "fit",
+        "--config",
+        str(tmp_path / "config.yaml"),
+        "--trainer.max_steps",
+        "40",
+    ]
     crashed = run([*base, "--model.kill_at_step", "25"], cwd=tmp_path)
     assert crashed.returncode != 0, crashed.stderr[-3000:]
     ckpts = run_dir / "checkpoints"
@@ -46,7 +55,10 @@ def test_lightning_cli_fit_kill_fit_again(tmp_path, capsys) -> None:
 
     resumed = run(base, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Restoring states from the checkpoint at {ckpts}/step_000000020" in resumed.stdout + resumed.stderr
+    assert (
+        f"Restoring states from the checkpoint at {ckpts}/step_000000020"
+        in resumed.stdout + resumed.stderr
+    )
     final = manifest(ckpts / "step_000000040")
     config = final["metadata"]["config"]
     assert f"dirpath: {ckpts}" in config  # the interpolation, resolved
@@ -54,15 +66,33 @@ def test_lightning_cli_fit_kill_fit_again(tmp_path, capsys) -> None:
     # the config LightningCLI saved names only the strategy's own, portable arguments
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     strategy_args = set(saved["trainer"]["strategy"]["init_args"])
-    assert not strategy_args & {"bucket_cap_mb", "broadcast_buffers", "init_sync", "mixed_precision"}
+    assert not strategy_args & {
+        "bucket_cap_mb",
+        "broadcast_buffers",
+        "init_sync",
+        "mixed_precision",
+    }
     # and the CLI shows the resolved config
     assert cli_main(["inspect", str(ckpts / "step_000000040")]) == 0
     assert f"dirpath: {ckpts}" in capsys.readouterr().out
 
 
 def test_torchrun_with_devices_auto(tmp_path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), "--root", str(tmp_path), "--devices", "auto", "--max-steps", "7"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--root",
+        str(tmp_path),
+        "--devices",
+        "auto",
+        "--max-steps",
+        "7",
+    ]
     proc = run(cmd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert result_line(proc) == {"global_step": 7, "world": 2, "resumed_from": None}
@@ -72,10 +102,22 @@ def test_torchrun_with_devices_auto(tmp_path) -> None:
 
 
 def test_ddp_spawn(tmp_path) -> None:
-    cmd = [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--strategy", "ddp_spawn", "--max-steps", "6"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--root",
+        str(tmp_path),
+        "--strategy",
+        "ddp_spawn",
+        "--max-steps",
+        "6",
+    ]
     proc = run(cmd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_000000005", "step_000000006"]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+        "step_000000005",
+        "step_000000006",
+    ]
     proc = run([*cmd[:-1], "8"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     body = manifest(tmp_path / "ckpts" / "step_000000008")

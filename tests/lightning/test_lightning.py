@@ -151,3 +151,49 @@ def test_unsupported_strategy_fails_at_setup() -> None:
 
 def test_corrupt_warning_type_is_public() -> None:
     assert issubclass(CorruptCheckpointWarning, UserWarning)
+
+
+def test_stats_are_logged_and_best_is_tracked(tmp_path) -> None:
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.lightning.models import TinyModule, make_trainer
+
+    class Logged(TinyModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            # a synthetic "score" whose best value is at step 6
+            self.log("score", abs(self.global_step - 6.0))
+            return loss
+
+    pl.seed_everything(7, verbose=False)
+    checkpoint = DistributedCheckpoint(
+        tmp_path / "ckpts",
+        every_n_train_steps=3,
+        monitor="score",
+        mode="min",
+        keep_best_k=1,
+        keep_last_n=1,
+    )
+    trainer = make_trainer(
+        str(tmp_path),
+        max_steps=12,
+        strategy="auto",
+        devices=1,
+        callbacks=[checkpoint],
+        log_every_n_steps=1,
+    )
+    trainer.logger = CSVLogger(str(tmp_path), name="logs")
+    trainer.fit(Logged())
+    with open(next((tmp_path / "logs").rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    logged = [r for r in rows if r.get("checkpoint/blocked_s")]
+    assert len(logged) >= 3
+    assert all(float(r["checkpoint/bytes"]) > 0 and float(r["checkpoint/GBps"]) > 0 for r in logged)
+    # score logged at step s is |s - 6| with s counted before the step: best is the step-6 save
+    assert checkpoint.best_model_path.endswith("step_000000006")
+    assert checkpoint.last_model_path.endswith("step_000000012")
+    kept = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    assert kept == ["step_000000006", "step_000000012"]  # best 1 + last 1

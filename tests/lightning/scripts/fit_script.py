@@ -7,10 +7,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import lightning.pytorch as pl  # noqa: E402
+import lightning.pytorch as pl
 
-from lightning_elastic import DistributedCheckpoint  # noqa: E402
-from tests.lightning.models import TinyModule, make_trainer  # noqa: E402
+from lightning_elastic import DistributedCheckpoint
+from tests.lightning.models import TinyModule, make_trainer
 
 
 def main() -> None:
@@ -24,13 +24,26 @@ def main() -> None:
     devices = args.devices if args.devices == "auto" else int(args.devices)
     checkpoint = DistributedCheckpoint(f"{args.root}/ckpts", every_n_train_steps=5)
     trainer = make_trainer(
-        args.root, max_steps=args.max_steps, strategy=args.strategy, devices=devices, callbacks=[checkpoint]
+        args.root,
+        max_steps=args.max_steps,
+        strategy=args.strategy,
+        devices=devices,
+        callbacks=[checkpoint],
     )
     model = TinyModule()
     trainer.fit(model)
     if trainer.is_global_zero:
-        print("RESULT " + json.dumps({"global_step": trainer.global_step, "world": trainer.world_size,
-                                      "resumed_from": trainer.ckpt_path}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "global_step": trainer.global_step,
+                    "world": trainer.world_size,
+                    "resumed_from": trainer.ckpt_path,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
