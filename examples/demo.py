@@ -1,6 +1,12 @@
-"""The demo: 2 CPU processes train with asynchronous checkpoints, get killed, and resume.
+"""The demo: LightningCLI on 2 CPU processes, asynchronous sharded checkpoints, a crash, a resume.
 
-python examples/demo.py [--dir demo_checkpoints]
+    python examples/demo.py [--dir demo_run]
+
+1. fit with ElasticStrategy + DistributedCheckpoint (async, every 10 steps); both processes
+   crash at step 25 (SIGKILL), like a lost node;
+2. list the checkpoints: steps 10 and 20 are committed, nothing partial is visible;
+3. run the very same command again: it resumes from step 20 (verified first) and finishes;
+4. inspect the last checkpoint (resolved config, versions, files) and verify them all.
 """
 
 from __future__ import annotations
@@ -14,44 +20,62 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def torchrun(*args: str) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(HERE / "train_core.py"),
-        *args,
-    ]
-    print("$ " + " ".join(["torchrun", *cmd[3:]]), flush=True)
-    return subprocess.run(cmd, timeout=600, check=False).returncode
+def step(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def run(cmd: list[str], check: bool = True) -> int:
+    print("$ " + " ".join(str(c) for c in cmd).replace(sys.executable, "python"), flush=True)
+    code = subprocess.run(cmd, timeout=900, check=False).returncode
+    if check and code != 0:
+        raise SystemExit(f"command failed with exit code {code}")
+    return code
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", default="demo_checkpoints")
-    args = parser.parse_args()
-    shutil.rmtree(args.dir, ignore_errors=True)
-
-    print("\n== 1. train, checkpointing every 5 steps; rank 0 dies at step 23 ==", flush=True)
-    code = torchrun("--dir", args.dir, "--steps", "40", "--kill-at", "23")
-    print(f"(exit code {code}: the job was interrupted)\n", flush=True)
-
-    print("== 2. the checkpoints on disk ==", flush=True)
-    subprocess.run([sys.executable, "-m", "lightning_elastic.cli", "ls", args.dir], check=True)
-
-    print(
-        "\n== 3. run again: it resumes from the newest valid checkpoint and finishes ==", flush=True
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    code = torchrun("--dir", args.dir, "--steps", "40")
-    if code != 0:
-        raise SystemExit(f"resumed run failed with exit code {code}")
+    parser.add_argument("--dir", default="demo_run", help="where the run and its checkpoints go")
+    args = parser.parse_args()
+    run_dir = Path(args.dir).resolve()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    config = (
+        (HERE / "config.yaml")
+        .read_text()
+        .replace("default_root_dir: demo_run", f"default_root_dir: {run_dir}")
+    )
+    (run_dir / "config.yaml").write_text(config)
+    fit = [
+        sys.executable,
+        "-W",
+        "ignore",
+        str(HERE / "lightning_cli.py"),
+        "fit",
+        "--config",
+        str(run_dir / "config.yaml"),
+    ]
+    cli = [sys.executable, "-m", "lightning_elastic.cli"]
+    ckpts = run_dir / "checkpoints"
 
-    print("\n== 4. verify every checkpoint against its manifest ==", flush=True)
-    subprocess.run([sys.executable, "-m", "lightning_elastic.cli", "verify", args.dir], check=True)
-    print("\ndemo finished: interrupted at step 23, resumed from step 20, finished at step 40")
+    step("1. train on 2 processes, checkpointing asynchronously every 10 steps; crash at step 25")
+    code = run([*fit, "--model.kill_at_step", "25"], check=False)
+    print(f"(the run died with exit code {code})", flush=True)
+
+    step("2. what is on disk: only committed checkpoints are listed as valid")
+    run([*cli, "ls", str(ckpts)])
+
+    step("3. the same command again: it resumes from the newest valid checkpoint and finishes")
+    run(fit)
+
+    step("4. the last checkpoint: its manifest records the resolved config, versions and files")
+    newest = sorted(p for p in ckpts.iterdir() if p.is_dir())[-1]
+    run([*cli, "inspect", str(newest)])
+    run([*cli, "verify", str(ckpts)])
+    print(
+        "\ndemo finished: crashed at step 25, resumed from step 20, finished at step 60", flush=True
+    )
 
 
 if __name__ == "__main__":

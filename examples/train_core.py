@@ -1,4 +1,4 @@
-"""A tiny training loop checkpointed with the core engine (run it under torchrun).
+"""The core engine without Lightning: a plain DDP loop (run it under torchrun).
 
     torchrun --standalone --nproc-per-node 2 examples/train_core.py --dir /tmp/ckpts --steps 40
 

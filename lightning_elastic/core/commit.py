@@ -82,7 +82,9 @@ class CommitChannel:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        # A client of its own: a store client serializes its operations, and this channel
+        # waits from the background writer while the training thread uses the store too.
+        self.store = store.clone()  # type: ignore[attr-defined]
         self.rank = rank
         self.world_size = world_size
         self.namespace = namespace
@@ -103,18 +105,19 @@ class CommitChannel:
         return {r: json.loads(value) for r, value in enumerate(raw)}
 
     def _wait(self, keys: list[str], deadline: float, save_id: str, checkpoint: str) -> None:
-        """Block until every key exists (the store wakes us up), re-checking the deadline at
-        least once a second; on expiry name the ranks whose report is missing."""
-        while True:
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                missing = self.missing_reports(save_id) or [0]
-                raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
+        """Block until every key exists (the store wakes us up) or the deadline passes; then
+        name the ranks whose report is missing."""
+        remaining = deadline - self.clock()
+        if remaining > 0:
             try:
-                self.store.wait(keys, timedelta(seconds=min(remaining, 1.0)))
+                self.store.wait(keys, timedelta(seconds=remaining))
                 return
-            except Exception:  # the store's own timeout: loop and re-check our deadline
-                continue
+            except Exception:  # the store's timeout (or a dead store): report who is missing
+                pass
+        if self.store.check(keys):
+            return
+        missing = self.missing_reports(save_id) or [0]
+        raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
 
     def missing_reports(self, save_id: str) -> list[int]:
         return [

@@ -239,9 +239,12 @@ class Coordinator:
         """True on every rank when ``flag`` is true on all ranks."""
         return not self.max_ints([0 if flag else 1], phase)[0]
 
-    def max_ints(self, values: Sequence[int], phase: str = "agree") -> list[int]:
+    def max_ints(
+        self, values: Sequence[int], phase: str = "agree", *, track: bool = True
+    ) -> list[int]:
         """Element-wise maximum over ranks of small non-negative integers: one tiny
-        all-reduce that can carry several decisions (flags, rank 0's choices) at once."""
+        all-reduce that can carry several decisions (flags, rank 0's choices) at once.
+        ``track=False`` skips the arrival bookkeeping (for per-step use)."""
         if not self.distributed:
             return list(values)
         tensor = torch.tensor(list(values), dtype=torch.int64)
@@ -249,6 +252,7 @@ class Coordinator:
             phase,
             "agreement",
             lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group),
+            track=track,
         )
         return [int(v) for v in tensor.tolist()]
 
@@ -261,7 +265,16 @@ class Coordinator:
             log.debug("rank %d failed in %s", self.rank, phase, exc_info=True)
             return _Failed(self.rank, phase, exc)
 
-    def _collective(self, phase: str, what: str, op: Callable[[], Any]) -> None:
+    def _collective(
+        self, phase: str, what: str, op: Callable[[], Any], *, track: bool = True
+    ) -> None:
+        if not track:
+            try:
+                op()
+            except Exception as exc:
+                failure = RankFailure.from_exception(self.rank, phase, exc)
+                raise DistributedFailure(what, [failure]) from exc
+            return
         self._seq += 1
         arrival = self.key("arrive", self._seq, self.rank)
         self.store.set(arrival, "1")

@@ -123,6 +123,6 @@ class Agreement:
         time_due = interval is not None and self.coordinator.is_coordinator and interval.due()
         received = flag.received if flag is not None else 0
         signum, due, asked = self.coordinator.max_ints(
-            [received, int(time_due), int(requested)], "save/decide"
+            [received, int(time_due), int(requested)], "save/decide", track=False
         )
         return Decision(time_due=bool(due), signal=signum, requested=bool(asked))

@@ -251,18 +251,19 @@ class DistributedCheckpoint(Checkpoint):
         self._finish_pending(trainer, wait=False)
         step = trainer.global_step
         due = self._step_trigger is not None and self._step_trigger.due(step)
-        decision = None
-        if self._interval is not None or self._flag is not None or self._requested:
-            assert self._agreement is not None
-            decision = self._agreement.decide(
-                interval=self._interval, flag=self._flag, requested=self._requested
-            )
-            self._requested = False
-        if decision is not None and decision.signal:
+        # Every rank joins this agreement at every step, whatever it saw locally (a signal, a
+        # request, rank 0's clock): a collective entered by some ranks only would hang.
+        assert self._agreement is not None
+        decision = self._agreement.decide(
+            interval=self._interval, flag=self._flag, requested=self._requested
+        )
+        self._requested = False
+        if decision.signal:
             self._preempt(trainer, decision.signal)
             return
-        if (due or (decision is not None and decision.save)) and step != self._last_step:
-            self._save(trainer, reason="step" if due else "interval")
+        if (due or decision.save) and step != self._last_step:
+            reason = "step" if due else ("interval" if decision.time_due else "request")
+            self._save(trainer, reason=reason)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch

@@ -197,3 +197,10 @@ def test_stats_are_logged_and_best_is_tracked(tmp_path) -> None:
     assert checkpoint.last_model_path.endswith("step_000000012")
     kept = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
     assert kept == ["step_000000006", "step_000000012"]  # best 1 + last 1
+
+
+def test_checkpoint_requested_on_one_rank(tmp_path) -> None:
+    results = run_distributed(workers.fit_with_request, 2, str(tmp_path), timeout=120)
+    assert sorted(manifests(tmp_path)) == [3]
+    assert manifests(tmp_path)[3]["metadata"]["reason"] == "request"
+    assert results[0]["last"] == results[1]["last"]

@@ -62,3 +62,21 @@ def save_then_fit_ckpt_path(root: str) -> dict:
     second = make_trainer(root, max_steps=9, strategy=ElasticStrategy())
     second.fit(model, ckpt_path=path)
     return {"steps": [s for s, _ in model.losses], "ckpt_path": second.ckpt_path}
+
+
+def fit_with_request(root: str) -> dict:
+    """Rank 1 alone asks for a checkpoint at step 3 (no signals, no interval configured)."""
+    import lightning.pytorch as pl
+
+    pl.seed_everything(7, verbose=False)
+    checkpoint = DistributedCheckpoint(f"{root}/ckpts", signals=(), save_on_train_end=False)
+
+    class Asking(TinyModule):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2 and self.global_rank == 1:  # step 3 once this one ends
+                checkpoint.request_checkpoint()
+            return super().training_step(batch, batch_idx)
+
+    trainer = make_trainer(root, max_steps=6, strategy=ElasticStrategy(), callbacks=[checkpoint])
+    trainer.fit(Asking())
+    return {"last": checkpoint.last_model_path}

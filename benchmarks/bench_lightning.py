@@ -1,0 +1,257 @@
+"""Training throughput under checkpointing: Lightning on 2 CPU processes, ~1.1 GB of state.
+
+One run, interleaved: every round fits the same model once per configuration (rotated order,
+same two processes, one torch thread each):
+
+* none                 - no checkpointing (the reference);
+* ModelCheckpoint      - Lightning's callback, synchronous ``torch.save`` on rank 0;
+* ModelCheckpoint+Async - the same with ``AsyncCheckpointIO``;
+* DistributedCheckpoint - ours (async, sharded), with ``ElasticStrategy``.
+
+A checkpoint is due every K steps, K chosen so that a save falls every ~6.5 s of training.
+Reported per configuration (medians over rounds): training steps/s relative to ``none``, seconds
+the training loop was blocked per save (from the step times), and seconds from the save call
+to the data being written (ours: to the durable commit, fsync included; Lightning's
+``torch.save`` does not fsync).
+
+    python benchmarks/bench_lightning.py [--small] [--rounds 3] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+
+from lightning_elastic.testing.spawn import run_distributed
+
+CONFIGS = ["none", "ModelCheckpoint", "ModelCheckpoint+Async", "DistributedCheckpoint"]
+
+
+def build_module(layers: int, width: int, batch: int) -> Any:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Big(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                *[
+                    torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+                    for _ in range(layers)
+                ]
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return self.net(x).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-5)
+
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(0)
+            return DataLoader(
+                TensorDataset(torch.randn(4096, width, generator=g)), batch_size=batch
+            )
+
+    return Big()
+
+
+class StepTimer:
+    """Wall time of every training step (batch end to batch end), and the steps that saved."""
+
+    def __new__(cls) -> Any:
+        import lightning.pytorch as pl
+
+        class _Timer(pl.Callback):
+            def __init__(self) -> None:
+                self.times: list[float] = []
+                self.last: float | None = None
+
+            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+                now = time.perf_counter()
+                if self.last is not None:
+                    self.times.append(now - self.last)
+                self.last = now
+
+        return _Timer()
+
+
+def timed_io() -> Any:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class TimedIO(TorchCheckpointIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.durations: list[float] = []
+
+        def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            start = time.perf_counter()
+            super().save_checkpoint(checkpoint, path, storage_options)
+            self.durations.append(time.perf_counter() - start)
+
+    return TimedIO()
+
+
+def run_fit(
+    config: str, root: str, steps: int, every: int, layers: int, width: int, batch: int
+) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    callbacks: list[Any] = [timer]
+    plugins: list[Any] = []
+    strategy: Any = "ddp"
+    io = None
+    ours = None
+    if config.startswith("ModelCheckpoint"):
+        callbacks.append(
+            ModelCheckpoint(dirpath=f"{root}/mc", every_n_train_steps=every, save_top_k=1)
+        )
+        io = timed_io()
+        plugins.append(AsyncCheckpointIO(io) if config.endswith("Async") else io)
+    elif config == "DistributedCheckpoint":
+        ours = DistributedCheckpoint(
+            f"{root}/dc", every_n_train_steps=every, keep_last_n=1, save_on_train_end=False
+        )
+        callbacks.append(ours)
+        strategy = ElasticStrategy()
+    commits: list[float] = []
+    blocked: list[float] = []
+    if ours is not None:
+        original = ours._report
+
+        def report(trainer: Any, handle: Any) -> None:
+            result = handle.result()
+            commits.append(result.total_s)
+            blocked.append(result.blocked_s)
+            original(trainer, handle)
+
+        ours._report = report  # type: ignore[method-assign]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        plugins=plugins or None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=config != "none",
+        default_root_dir=root,
+    )
+    trainer.fit(build_module(layers, width, batch))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    times = timer.times[3:]  # skip warm-up steps
+    base = statistics.median(times)
+    saves = [t - base for i, t in enumerate(timer.times) if i >= 3 and (i + 1) % every == 0]
+    return {
+        "steps_per_s": len(times) / sum(times),
+        "blocked_per_save": statistics.median(saves) if saves else 0.0,
+        "engine_blocked": statistics.median(blocked) if blocked else None,
+        "commit_s": statistics.median(commits)
+        if commits
+        else (statistics.median(io.durations) if io is not None and io.durations else None),
+    }
+
+
+def worker(
+    rounds: int, steps: int, layers: int, width: int, batch: int, scratch: str
+) -> dict[str, Any]:
+    torch.set_num_threads(1)  # two ranks on two cores
+    rank = dist.get_rank()
+    # calibrate: the step time without checkpoints decides K (every ~6.5 s of training)
+    probe = run_fit("none", f"{scratch}/probe", 8, 10**6, layers, width, batch)
+    every_t = torch.tensor([max(2, round(6.5 * probe["steps_per_s"]))])
+    dist.all_reduce(every_t, op=dist.ReduceOp.MAX)
+    every = int(every_t.item())
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
+    for r in range(rounds):
+        order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
+        for config in order:
+            results[config].append(
+                run_fit(config, f"{scratch}/{config}", steps, every, layers, width, batch)
+            )
+    return {"rank": rank, "every": every, "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="4 x Linear(512, 512): a quick run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", default="benchmarks/results/lightning.json")
+    args = parser.parse_args()
+    layers, width = (4, 512) if args.small else (22, 2048)
+    state_gb = layers * (width * width + width) * 4 * 3 / 1e9
+    scratch = tempfile.mkdtemp(prefix="le-bench-pl-", dir=os.getcwd())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        out = run_distributed(
+            worker, 2, args.rounds, args.steps, layers, width, args.batch, scratch, timeout=7200
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rank0 = out[0]
+    summary = {}
+    base = statistics.median(r["steps_per_s"] for r in rank0["results"]["none"])
+    print(
+        f"\n{state_gb:.2f} GB of model + Adam state, 2 ranks, a checkpoint every {rank0['every']} steps "
+        f"(~6.5 s), {args.rounds} interleaved rounds of {args.steps} steps (medians, rank 0)"
+    )
+    print(
+        f"{'configuration':<24}{'steps/s':>9}{'vs none':>9}{'blocked/save s':>16}{'to written/commit s':>21}"
+    )
+    for config in CONFIGS:
+        rows = rank0["results"][config]
+        sps = statistics.median(r["steps_per_s"] for r in rows)
+        blocked = statistics.median(r["blocked_per_save"] for r in rows)
+        commits = [r["commit_s"] for r in rows if r["commit_s"] is not None]
+        commit = statistics.median(commits) if commits else None
+        summary[config] = {
+            "steps_per_s": sps,
+            "relative": sps / base,
+            "blocked_per_save_s": blocked,
+            "commit_s": commit,
+        }
+        commit_text = f"{commit:.2f}" if commit is not None else "-"
+        print(f"{config:<24}{sps:>9.3f}{sps / base:>9.2f}{blocked:>16.2f}{commit_text:>21}")
+    ratio = summary["DistributedCheckpoint"]["relative"]
+    print(
+        f"\ntarget: DistributedCheckpoint >= 0.90x of no checkpointing -> {ratio:.2f}x "
+        f"{'MET' if ratio >= 0.90 else 'MISSED'}"
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps({"every": rank0["every"], "summary": summary, "raw": out}, indent=1)
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
