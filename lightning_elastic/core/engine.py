@@ -10,8 +10,10 @@ error at the next ``save``/``wait``/``close`` (or from the handle's ``result()``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -355,12 +357,22 @@ class CheckpointEngine:
 
     def _writer(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning-elastic-writer")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="lightning-elastic-writer", initializer=_background_priority
+            )
         return self._executor
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointEngine is closed")
+
+
+def _background_priority() -> None:
+    """Lower the writer thread's CPU priority (Linux applies nice per thread): when training
+    and writing compete for few cores, training should win; idle cores still write at full
+    speed."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:

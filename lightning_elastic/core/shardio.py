@@ -60,7 +60,9 @@ def write_shard(
     """Write ``payload`` to ``rel_path``; return its digest and one DCP WriteResult per item."""
     file_name = rel_path.rsplit("/", 1)[-1]
     if compression is None:
-        written = storage.write_stream(rel_path, payload.chunks, checksum=checksum)
+        written = storage.write_stream(
+            rel_path, payload.chunks, checksum=checksum, direct=payload.image is not None
+        )
         results = tuple(
             WriteResult(
                 index=item.write_item.index,

