@@ -167,8 +167,10 @@ def run_fit(
     times = timer.times[3:]  # skip warm-up steps
     base = statistics.median(times)
     saves = [t - base for i, t in enumerate(timer.times) if i >= 3 and (i + 1) % every == 0]
+    plain = [t for i, t in enumerate(timer.times) if i >= 3 and (i + 1) % every != 0]
     return {
         "steps_per_s": len(times) / sum(times),
+        "median_step_s": statistics.median(plain) if plain else base,
         "blocked_per_save": statistics.median(saves) if saves else 0.0,
         "engine_blocked": statistics.median(blocked) if blocked else None,
         "commit_s": statistics.median(commits)

@@ -69,6 +69,7 @@ class ElasticSampler(Sampler[int]):
         self.batch_size = max(1, batch_size)
         self.epoch = 0
         self._start = DataPosition(epoch=0, consumed=0, world_size=num_replicas)
+        self._cache: tuple[tuple[int, DataPosition], list[int]] | None = None
 
     def __len__(self) -> int:
         """Samples of the whole epoch for this rank: those before the resume point (counted
@@ -111,17 +112,21 @@ class ElasticSampler(Sampler[int]):
         return n - n % w if self.drop_last else n + (-n) % w
 
     def _indices(self) -> list[int]:
-        order = epoch_order(
-            len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle
-        )
-        return rank_indices(
-            order,
-            self._start,
-            world=self.num_replicas,
-            rank=self.rank,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        key = (self.epoch, self._start)
+        if self._cache is None or self._cache[0] != key:  # len() is asked often: compute once
+            order = epoch_order(
+                len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle
+            )
+            indices = rank_indices(
+                order,
+                self._start,
+                world=self.num_replicas,
+                rank=self.rank,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+            )
+            self._cache = (key, indices)
+        return self._cache[1]
 
 
 def make_elastic(
