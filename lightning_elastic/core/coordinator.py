@@ -14,6 +14,7 @@ keys in the store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import uuid
@@ -91,6 +92,7 @@ class Coordinator:
         self.timeout = timeout
         self.namespace = namespace or f"{_STORE_PREFIX}/{uuid.uuid4().hex[:12]}"
         self._seq = 0
+        self._owns_group = False
         self._coordinator_global = dist.get_global_rank(group, 0) if group is not None else 0
 
     @classmethod
@@ -117,7 +119,7 @@ class Coordinator:
         # engines in one job never read each other's keys.
         box: list[Any] = [uuid.uuid4().hex[:12] if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        return cls(
+        coordinator = cls(
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
             group=group,
@@ -125,6 +127,15 @@ class Coordinator:
             timeout=timeout,
             namespace=f"{_STORE_PREFIX}/{box[0]}",
         )
+        coordinator._owns_group = process_group is None
+        return coordinator
+
+    def close(self) -> None:
+        """Destroy the gloo group this coordinator created (not one it was given)."""
+        if self._owns_group and self.group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
 
     @property
     def is_coordinator(self) -> bool:

@@ -27,6 +27,7 @@ from torch.utils.data import (
 )
 
 from lightning_elastic.core.resharding import DataPosition, epoch_order, rank_indices
+from lightning_elastic.errors import ConfigError
 
 __all__ = ["ElasticSampler", "make_elastic"]
 
@@ -130,15 +131,25 @@ class ElasticSampler(Sampler[int]):
 
 
 def make_elastic(
-    dataloader: Any, *, num_replicas: int, rank: int
+    dataloader: Any, *, num_replicas: int, rank: int, global_batch_size: int | None = None
 ) -> tuple[Any, ElasticSampler | None]:
     """``dataloader`` rebuilt around an :class:`ElasticSampler`, or unchanged (with ``None``)
-    when its sampler cannot be replaced faithfully."""
+    when its sampler cannot be replaced faithfully. With ``global_batch_size`` the per-rank
+    batch becomes ``global_batch_size / num_replicas``."""
     if not isinstance(dataloader, DataLoader):
         return dataloader, None
     sampler = dataloader.sampler
-    if isinstance(sampler, ElasticSampler):
+    if isinstance(sampler, ElasticSampler) and global_batch_size is None:
         return dataloader, sampler
+    if global_batch_size is not None:
+        if global_batch_size % num_replicas:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} is not divisible by the world size "
+                f"{num_replicas}; choose a multiple of every world size you may run with "
+                "(e.g. a multiple of 6 for 1, 2 or 3 processes)"
+            )
+        if type(dataloader.batch_sampler) is not BatchSampler:
+            raise ConfigError("global_batch_size needs a DataLoader built with batch_size=...")
     batch_size = dataloader.batch_size
     if batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
         log.warning("custom batch sampler: the position within an epoch is not resumable")
@@ -149,12 +160,15 @@ def make_elastic(
         shuffle, seed, drop_last = True, int(os.environ.get("PL_GLOBAL_SEED", 0)), False
     elif type(sampler) is SequentialSampler:
         shuffle, seed, drop_last = False, 0, False
+    elif isinstance(sampler, ElasticSampler):  # user-provided: keep its settings
+        shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
     else:
         log.warning(
             "%s cannot be replaced: the position within an epoch is not resumable",
             type(sampler).__name__,
         )
         return dataloader, None
+    per_rank = batch_size if global_batch_size is None else global_batch_size // num_replicas
     elastic = ElasticSampler(
         dataloader.dataset,  # type: ignore[arg-type]
         num_replicas=num_replicas,
@@ -162,15 +176,28 @@ def make_elastic(
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
-        batch_size=batch_size,
+        batch_size=per_rank,
     )
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    rebuilt = _update_dataloader(dataloader, elastic, mode=RunningStage.TRAINING)
+    rebuilt = _rebuild(dataloader, elastic, per_rank if per_rank != batch_size else None)
     # Lightning treats loaders with state_dict/load_state_dict as resumable mid-epoch (and
     # otherwise warns that they are not). Ours is: the position travels per checkpoint with
     # the rest of our state, so Lightning's own copy is left empty.
     rebuilt.state_dict = dict
     rebuilt.load_state_dict = lambda state: None
     return rebuilt, elastic
+
+
+def _rebuild(dataloader: DataLoader[Any], sampler: ElasticSampler, batch_size: int | None) -> Any:
+    """Re-instantiate ``dataloader`` (its own class and arguments) with ``sampler`` and,
+    when given, a new per-rank ``batch_size`` (Lightning's sampler-injection machinery)."""
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)
+    if batch_size is not None:
+        if "batch_size" in kwargs:
+            kwargs["batch_size"] = batch_size
+        else:
+            raise ConfigError("cannot change the batch size of this DataLoader subclass")
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

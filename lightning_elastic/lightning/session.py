@@ -56,6 +56,7 @@ class ElasticSession:
         self.pending_rank_state: dict[str, Any] | None = None
         self.resumed: LoadResult | None = None
         self._config: str | bool | None = False  # False: not looked up yet
+        self.global_batch_size: int | None = None  # set by ElasticStrategy
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
@@ -90,6 +91,9 @@ class ElasticSession:
             except Exception as exc:  # close every engine, then report
                 errors.append(exc)
         self.engines.clear()
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
         if errors:
             raise errors[0]
 
@@ -218,7 +222,10 @@ class ElasticSession:
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         dataloader, sampler = make_elastic(
-            dataloader, num_replicas=trainer.world_size, rank=trainer.global_rank
+            dataloader,
+            num_replicas=trainer.world_size,
+            rank=trainer.global_rank,
+            global_batch_size=self.global_batch_size,
         )
         self.adopt_sampler(sampler)
         return dataloader
