@@ -47,6 +47,7 @@ __all__ = [
     "LoadResult",
     "load_checkpoint",
     "read_full_state",
+    "read_rank_states",
     "select_checkpoint",
 ]
 
@@ -146,6 +147,26 @@ def load_checkpoint(
         bytes_read=reader.bytes_read,
         state=state,
     )
+
+
+def read_rank_states(storage: Storage, info: CheckpointInfo, key: str) -> dict[int, Any]:
+    """Every saved rank's rank-local entry ``key`` (in this process, no collective): what a
+    world-size change needs to redistribute per-rank state such as metric accumulators."""
+    ckpt = storage.child(info.name)
+    metadata, skeleton = read_metadata(
+        ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
+    )
+    reader = ShardReader(ckpt, metadata)
+    coord = Coordinator.single_process()
+    out: dict[int, Any] = {}
+    saved_world = info.manifest.world_size if info.manifest is not None else 0
+    for rank in range(saved_world):
+        prefix = (RANK_LOCAL_KEY, str(rank), key)
+        template = _template(metadata, skeleton, prefix)
+        if template:
+            _dcp_load(template, reader, _LoadPlanner(), coord, info, collective=False)
+            out[rank] = template[RANK_LOCAL_KEY][str(rank)][key]
+    return out
 
 
 def read_full_state(ckpt: Storage, *, include_rank_state: bool = False) -> dict[str, Any]:

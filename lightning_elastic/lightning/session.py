@@ -22,14 +22,18 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lightning_elastic.core import rng
 from lightning_elastic.core.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
-from lightning_elastic.core.loader import LoadResult
+from lightning_elastic.core.loader import LoadResult, read_rank_states
 from lightning_elastic.core.resharding import DataPosition
 from lightning_elastic.errors import CheckpointNotFoundError
+from lightning_elastic.lightning.metrics import (
+    fold_metric_states,
+    metric_states,
+    reset_metrics,
+    restore_metric_states,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -199,6 +203,13 @@ class ElasticSession:
         self.pending_rank_state = result.rank_state or {}
         self.resumed = result
         if saved_world != world:
+            # metric accumulators of all saved ranks are folded into rank 0; others start empty
+            metrics: dict[str, Any] = {}
+            if self.ensure_coordinator().rank == 0:
+                per_rank = read_rank_states(engine.storage, result.info, "metrics")
+                metrics = fold_metric_states(self.trainer.lightning_module, list(per_rank.values()))
+            self.pending_rank_state["metrics"] = metrics
+            self.pending_rank_state["reset_metrics"] = True
             log.warning(
                 "resuming %s written by %d ranks on %d ranks: rank-local state of new ranks is "
                 "derived from the seed; the epoch's remaining samples are redistributed",
@@ -249,7 +260,10 @@ class ElasticSession:
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             states = rng.derived_states(seed, self.ensure_coordinator().rank)
         rng.restore(states)
-        restore_metric_states(self.trainer.lightning_module, pending.get("metrics") or {})
+        module = self.trainer.lightning_module
+        if pending.get("reset_metrics"):
+            reset_metrics(module)
+        restore_metric_states(module, pending.get("metrics") or {})
 
 
 def topology(world: int) -> dict[str, int]:
@@ -259,52 +273,6 @@ def topology(world: int) -> dict[str, int]:
         "local_world_size": local,
         "nodes": max(1, math.ceil(world / local)),
     }
-
-
-def metric_states(module: torch.nn.Module) -> dict[str, Any]:
-    """Every torchmetrics ``Metric``'s accumulated state, by module name (this rank's)."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:
-        return {}
-    out: dict[str, Any] = {}
-    for name, metric in module.named_modules():
-        if isinstance(metric, Metric):
-            out[name] = {
-                "state": {k: _detach(v) for k, v in metric.metric_state.items()},
-                "update_count": metric._update_count,
-            }
-    return out
-
-
-def restore_metric_states(module: torch.nn.Module, states: Mapping[str, Any]) -> None:
-    try:
-        from torchmetrics import Metric
-    except ImportError:
-        return
-    for name, metric in module.named_modules():
-        if isinstance(metric, Metric) and name in states:
-            saved = states[name]
-            for attr, value in saved["state"].items():
-                setattr(metric, attr, _to_device(value, metric.device))
-            metric._update_count = int(saved["update_count"])
-            metric._computed = None
-
-
-def _detach(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, list):
-        return [_detach(v) for v in value]
-    return value
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    return value
 
 
 def _jsonable(value: Any) -> Any:

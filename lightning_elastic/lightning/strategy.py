@@ -19,19 +19,25 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.io import CheckpointIO
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
 
 from lightning_elastic.core.integrity import VERIFY_MODES
 from lightning_elastic.errors import ConfigError
+from lightning_elastic.lightning import zero
 from lightning_elastic.lightning.resume import is_elastic_checkpoint, split_checkpoint_path
 from lightning_elastic.lightning.session import ElasticSession
 
@@ -59,6 +65,10 @@ class ElasticStrategy(DDPStrategy):
         gradient_as_bucket_view: forwarded to ``DistributedDataParallel``.
         checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load.
         verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
+        shard_optimizer_state: ZeRO-1: each rank keeps (and saves) the optimizer state of its
+            share of the parameters only; checkpoints reshard to any world size.
+        global_batch_size: keep this many samples per optimizer step whatever the world size:
+            each rank's dataloader batch becomes ``global_batch_size / world_size``.
     """
 
     strategy_name = "elastic"
@@ -79,7 +89,11 @@ class ElasticStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         checkpoint_timeout: timedelta = timedelta(minutes=10),
         verify: str = "full",
+        shard_optimizer_state: bool = False,
+        global_batch_size: int | None = None,
     ) -> None:
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ConfigError(f"global_batch_size must be >= 1, got {global_batch_size}")
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
@@ -101,6 +115,8 @@ class ElasticStrategy(DDPStrategy):
         )
         self.checkpoint_timeout = checkpoint_timeout
         self.verify = verify
+        self.shard_optimizer_state = shard_optimizer_state
+        self.global_batch_size = global_batch_size
 
     # ------------------------------------------------------------------ torchrun topology
 
@@ -128,6 +144,40 @@ class ElasticStrategy(DDPStrategy):
         if world and local and world % local == 0:
             num_nodes = world // local
         self._num_nodes = num_nodes
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, trainer: Any) -> None:
+        self._session(trainer).global_batch_size = self.global_batch_size
+        super().setup(trainer)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if not self.shard_optimizer_state:
+            return
+        sharded = {id(opt): zero.shard(opt) for opt in self.optimizers}
+        self.optimizers = [sharded[id(opt)] for opt in self.optimizers]
+        for config in self.lr_scheduler_configs:
+            original = getattr(config.scheduler, "optimizer", None)
+            if id(original) in sharded:
+                zero.repoint_scheduler(config.scheduler, sharded[id(original)])
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(inner, ZeroRedundancyOptimizer):
+            return zero.optimizer_state(inner, self._param_names())
+        return super().optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        names = self._param_names()
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            zero.load_optimizer(inner, saved, names)
+            _optimizer_to_device(inner, self.root_device)
+
+    def _param_names(self) -> dict[torch.Tensor, str]:
+        assert self.lightning_module is not None
+        return {param: name for name, param in self.lightning_module.named_parameters()}
 
     # ------------------------------------------------------------------ data
 

@@ -42,18 +42,26 @@ class TinyModule(pl.LightningModule):
         signal_at: int = -1,
         signal_rank: int = 0,
         step_sleep: float = 0.0,
+        dropout: float = 0.3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, hidden),
             torch.nn.ReLU(),
-            torch.nn.Dropout(0.3),
+            torch.nn.Dropout(dropout),
             torch.nn.Linear(hidden, 1),
         )
         self.train_mae = torchmetrics.MeanAbsoluteError()
+        # accumulators that depend only on which samples were seen (exact across world sizes)
+        self.id_sum = torchmetrics.SumMetric()
+        self.id_max = torchmetrics.MaxMetric()
+        self.id_cat = torchmetrics.CatMetric()
+        self.y_mean = torchmetrics.MeanMetric()
         self.losses: list[tuple[int, float]] = []
-        self.seen: list[tuple[int, list[int]]] = []
+        self.global_losses: list[tuple[int, float]] = []
+        self.seen: list[tuple[int, int, list[int]]] = []
+        self.epoch_metrics: list[dict[str, Any]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_step == self.hparams.kill_at:
@@ -73,9 +81,30 @@ class TinyModule(pl.LightningModule):
         pred = self.net(x)
         loss = torch.nn.functional.mse_loss(pred, y)
         self.train_mae.update(pred.detach(), y)
+        self.id_sum.update(ids.double())
+        self.id_max.update(ids.double())
+        self.id_cat.update(ids.double())
+        self.y_mean.update(y.squeeze(1).double())
         self.losses.append((self.global_step, loss.item()))
-        self.seen.append((self.current_epoch, ids.tolist()))
+        if torch.distributed.is_initialized():  # the mean over the global batch
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total)
+            self.global_losses.append((self.global_step, total.item() / self.trainer.world_size))
+        self.seen.append((self.global_step, self.current_epoch, ids.tolist()))
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_metrics.append(
+            {
+                "epoch": self.current_epoch,
+                "id_sum": self.id_sum.compute().item(),
+                "id_max": self.id_max.compute().item(),
+                "id_cat": sorted(self.id_cat.compute().tolist()),
+                "y_mean": self.y_mean.compute().item(),
+            }
+        )
+        for metric in (self.id_sum, self.id_max, self.id_cat, self.y_mean):
+            metric.reset()
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)

@@ -1,0 +1,97 @@
+"""A training worker for the torchrun elastic tests: every step and every milestone of each
+incarnation is appended to a JSONL file of its own (rank, restart count)."""
+
+import time
+
+T_START = time.time()  # before the heavy imports: the recovery-time split needs it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import lightning.pytorch as pl  # noqa: E402
+
+from lightning_elastic import DistributedCheckpoint, ElasticStrategy  # noqa: E402
+from tests.lightning.models import TinyModule  # noqa: E402
+
+T_IMPORTED = time.time()
+
+
+class Journal(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.first = True
+        self.incarnation = 0.0
+
+    def write(self, **record: object) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"t": time.time(), "inc": self.incarnation, **record}) + "\n")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.incarnation = trainer.strategy.broadcast(time.time())  # one id per worker group
+        self.write(
+            kind="start",
+            step=trainer.global_step,
+            world=trainer.world_size,
+            resumed_from=trainer.ckpt_path,
+            t_start=T_START,
+            t_imported=T_IMPORTED,
+        )
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        ids = batch[0].tolist()
+        self.write(
+            kind="step",
+            step=trainer.global_step - 1,
+            epoch=trainer.current_epoch,
+            world=trainer.world_size,
+            ids=ids,
+            first=self.first,
+        )
+        self.first = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write(kind="end", step=trainer.global_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    journal_dir = Path(args.root) / "journal"
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    journal = Journal(journal_dir / f"pid{os.getpid()}-rank{rank}-restart{restart}.jsonl")
+    pl.seed_everything(7, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices="auto",
+        strategy=ElasticStrategy(checkpoint_timeout=60),
+        max_steps=args.max_steps,
+        callbacks=[
+            journal,
+            DistributedCheckpoint(
+                f"{args.root}/ckpts", every_n_train_steps=args.every, keep_last_n=3, timeout=60
+            ),
+        ],
+        default_root_dir=args.root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(TinyModule(n=120, batch_size=4, step_sleep=args.step_sleep))
+
+
+if __name__ == "__main__":
+    main()
