@@ -6,54 +6,36 @@ import pytest
 import torch
 
 from lightning_elastic.testing.spawn import run_distributed
-from tests.elastic import workers
+from tests.elastic import journal, workers
 
 pytestmark = pytest.mark.timeout(400)
 N = 120  # samples; batch 4 per rank
 
 
-def effective(runs: list[tuple[list[dict], int]]) -> list[tuple[int, int, list[int]]]:
-    """The training that counts: each run's steps up to where the next run resumed."""
-    steps: list[tuple[int, int, list[int]]] = []
-    for (results, _), (_, next_start) in zip(runs, [*runs[1:], (None, 10**9)], strict=True):
-        for rank_result in results:
-            if rank_result is None:
-                continue
-            steps += [s for s in rank_result["seen"] if s[0] < next_start]
-    return steps
-
-
 def test_chain_2_3_2_1_sees_every_sample_once_per_epoch(tmp_path) -> None:
     root = str(tmp_path)
-    plan = [  # (world, kill at step, resumed-from step)
-        (2, 10, None),  # epoch 0 = 15 steps at 2 ranks; checkpoint at 8 (mid-epoch)
-        (3, 18, 8),  # epoch 0 ends at 13; epoch 1 = 10 steps; checkpoint at 16 (mid-epoch 1)
-        (2, 34, 16),  # epoch 1 ends at 27; epoch 2 = 15 steps; checkpoint at 32 (mid-epoch 2)
-        (1, -1, 32),  # epoch 2 ends at 52
+    plan = [  # (world, kill at step): every rank dies there, after that step's checkpoint
+        (2, 10),  # epoch 0 = 15 steps at 2 ranks; checkpoint at 8 (mid-epoch)
+        (3, 18),  # resumes at 8; epoch 0 ends at 13; epoch 1 = 10 steps; checkpoint at 16
+        (2, 34),  # resumes at 16; epoch 1 ends at 27; epoch 2 = 15 steps; checkpoint at 32
+        (1, -1),  # resumes at 32; epoch 2 ends at 52
     ]
-    runs = []
-    for world, kill_at, start in plan:
-        results = run_distributed(
-            workers.elastic_fit,
-            world,
-            root,
-            52,
-            kill_at,
-            may_die=set(range(world)) if kill_at > 0 else set(),
-        )
-        runs.append((results, start or 0))
-        if kill_at < 0:
-            final = results
-    assert all(r["global_step"] == 52 for r in final)
-    assert final[0]["resumed_from"].endswith("step_000000032")
-    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for _, epoch, ids in effective(runs):
-        per_epoch[epoch].update(ids)
+    for world, kill_at in plan:
+        may_die = set(range(world)) if kill_at > 0 else set()
+        results = run_distributed(workers.elastic_fit, world, root, 52, kill_at, may_die=may_die)
+    assert all(r["global_step"] == 52 for r in results)
+    assert results[0]["resumed_from"].endswith("step_000000032")
+    records = journal.read(tmp_path / "journal")
+    starts = sorted(
+        {(r["world"], r["step"]) for r in records if r["kind"] == "start"}, key=lambda x: x[1]
+    )
+    assert starts == [(2, 0), (3, 8), (2, 16), (1, 32)]
+    per_epoch = journal.samples_per_epoch(records, 52)
     assert sorted(per_epoch) == [0, 1, 2]
     for epoch, counts in per_epoch.items():
         assert counts == collections.Counter(range(N)), f"epoch {epoch} is not the dataset once"
     # the world-size change was noticed and logged
-    assert any("written by 3 ranks on 2 ranks" in m for m in final[0]["log"] + runs[2][0][0]["log"])
+    assert any("written by 2 ranks on 1 ranks" in m for m in results[0]["log"])
 
 
 @pytest.mark.parametrize("worlds", [(2, 1), (1, 2)])

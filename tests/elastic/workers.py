@@ -10,6 +10,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from tests.elastic.journal import Journal
 from tests.lightning.models import TinyModule, make_trainer
 
 
@@ -51,10 +52,15 @@ def elastic_fit(
     checkpoint = DistributedCheckpoint(
         f"{root}/ckpts", every_n_train_steps=every, save_on_train_end=False
     )
+    journal = Journal(f"{root}/journal")
     strategy = ElasticStrategy(shard_optimizer_state=shard, global_batch_size=global_batch_size)
     devices = torch.distributed.get_world_size()
     trainer = make_trainer(
-        root, max_steps=max_steps, strategy=strategy, devices=devices, callbacks=[checkpoint]
+        root,
+        max_steps=max_steps,
+        strategy=strategy,
+        devices=devices,
+        callbacks=[journal, checkpoint],
     )
     trainer.fit(model)
     return {

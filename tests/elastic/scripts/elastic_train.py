@@ -6,7 +6,6 @@ import time
 T_START = time.time()  # before the heavy imports: the recovery-time split needs it
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -16,48 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import lightning.pytorch as pl  # noqa: E402
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy  # noqa: E402
+from tests.elastic.journal import Journal  # noqa: E402
 from tests.lightning.models import TinyModule  # noqa: E402
 
 T_IMPORTED = time.time()
-
-
-class Journal(pl.Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.first = True
-        self.incarnation = 0.0
-
-    def write(self, **record: object) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"t": time.time(), "inc": self.incarnation, **record}) + "\n")
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.incarnation = trainer.strategy.broadcast(time.time())  # one id per worker group
-        self.write(
-            kind="start",
-            step=trainer.global_step,
-            world=trainer.world_size,
-            resumed_from=trainer.ckpt_path,
-            t_start=T_START,
-            t_imported=T_IMPORTED,
-        )
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
-    ) -> None:
-        ids = batch[0].tolist()
-        self.write(
-            kind="step",
-            step=trainer.global_step - 1,
-            epoch=trainer.current_epoch,
-            world=trainer.world_size,
-            ids=ids,
-            first=self.first,
-        )
-        self.first = False
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.write(kind="end", step=trainer.global_step)
 
 
 def main() -> None:
@@ -67,11 +28,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
-    rank = int(os.environ.get("RANK", 0))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    journal_dir = Path(args.root) / "journal"
-    journal_dir.mkdir(parents=True, exist_ok=True)
-    journal = Journal(journal_dir / f"pid{os.getpid()}-rank{rank}-restart{restart}.jsonl")
+    journal = Journal(
+        Path(args.root) / "journal",
+        extra={"t_start": T_START, "t_imported": T_IMPORTED, "restart": restart},
+    )
     pl.seed_everything(7, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
