@@ -24,10 +24,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from lightning_elastic.testing.spawn import run_distributed  # noqa: E402
+from lightning_elastic.testing.spawn import run_distributed
 
 
 def state(layers: int, width: int, sharded: bool, zeros: bool = False) -> dict[str, Any]:
@@ -40,7 +40,9 @@ def state(layers: int, width: int, sharded: bool, zeros: bool = False) -> dict[s
     for i in range(layers):
         for kind in ("weight", "exp_avg", "exp_avg_sq"):
             t = torch.zeros(width, width) if zeros else torch.randn(width, width, generator=g)
-            out[f"layer{i}.{kind}"] = distribute_tensor(t, mesh, [Shard(0)]) if mesh is not None else t
+            out[f"layer{i}.{kind}"] = (
+                distribute_tensor(t, mesh, [Shard(0)]) if mesh is not None else t
+            )
     return out
 
 
@@ -66,7 +68,9 @@ def load(root: str, layers: int, width: int, sharded: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/reshard.json")
@@ -79,15 +83,24 @@ def main() -> None:
             run_distributed(save, 2, scratch, layers, width, layout == "sharded", timeout=1800)
             times: dict[int, list[float]] = {2: [], 3: []}
             for r in range(args.rounds):
-                for world in ((2, 3) if r % 2 == 0 else (3, 2)):
-                    per_rank = run_distributed(load, world, scratch, layers, width, layout == "sharded", timeout=1800)
+                for world in (2, 3) if r % 2 == 0 else (3, 2):
+                    per_rank = run_distributed(
+                        load, world, scratch, layers, width, layout == "sharded", timeout=1800
+                    )
                     times[world].append(max(per_rank))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         same, resharded = statistics.median(times[2]), statistics.median(times[3])
-        summary[layout] = {"load_2_s": same, "load_3_s": resharded, "ratio": resharded / same, "raw": times}
-        print(f"{layout:<11} load at 2: {same:.2f}s  at 3 (resharded): {resharded:.2f}s  "
-              f"ratio {resharded / same:.2f} (target <= 1.5: {'MET' if resharded / same <= 1.5 else 'MISSED'})")
+        summary[layout] = {
+            "load_2_s": same,
+            "load_3_s": resharded,
+            "ratio": resharded / same,
+            "raw": times,
+        }
+        print(
+            f"{layout:<11} load at 2: {same:.2f}s  at 3 (resharded): {resharded:.2f}s  "
+            f"ratio {resharded / same:.2f} (target <= 1.5: {'MET' if resharded / same <= 1.5 else 'MISSED'})"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
 
