@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
 from lightning_elastic.core.dcp_format import ItemLocation
-from lightning_elastic.core.staging import WRITE_CHUNK, Payload, byte_view
+from lightning_elastic.core.staging import Payload, byte_view
 from lightning_elastic.core.storage import Storage, Written
 from lightning_elastic.errors import ConfigError, ManifestError
 
@@ -188,33 +188,59 @@ class ShardReader(StorageReader):
                 f"{self.storage.display()}: no chunk metadata for {req.storage_index.fqn}"
             ) from None
         target = planner.resolve_tensor(req).detach()
-        full_chunk = tuple(req.storage_offsets) == (0,) * len(sizes) and tuple(
-            req.lengths
-        ) == tuple(sizes)
-        if (
-            not location.transforms
-            and full_chunk
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and target.dtype == dtype
-            and target.numel() * target.element_size() == location.length
-            and location.length >= WRITE_CHUNK // 16
-        ):
-            # Large contiguous chunk: read straight into the destination, no staging copy.
-            view = byte_view(target.reshape(-1).view(torch.uint8))
-            self.storage.read_into(location.file, location.offset, view)
-            self.bytes_read += location.length
+        rows = (
+            None
+            if location.transforms
+            else _row_range(sizes, req.storage_offsets, req.lengths, dtype.itemsize)
+        )
+        if rows is not None:
+            # The wanted region is one byte range of the stored chunk (the whole chunk, or
+            # whole rows of it when resharding along dim 0): read just that range.
+            start, length = rows
+            direct = (
+                target.device.type == "cpu"
+                and target.is_contiguous()
+                and target.dtype == dtype
+                and target.numel() * target.element_size() == length
+            )
+            buffer = target if direct else torch.empty(tuple(req.lengths), dtype=dtype)
+            if length:
+                view = byte_view(buffer.reshape(-1).view(torch.uint8))
+                self.storage.read_into(location.file, location.offset + start, view)
+            self.bytes_read += length
+            if not direct:
+                _copy_checked(req, target, buffer)
         else:
             data = bytearray(self._read_item(location))
             if not data:
                 chunk = torch.empty(sizes, dtype=dtype)
             else:
                 chunk = torch.frombuffer(data, dtype=dtype).view(sizes)
-            source = narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
-            if target.size() != source.size():
-                raise ManifestError(
-                    f"{req.storage_index.fqn}: stored chunk has shape {tuple(source.size())}, "
-                    f"the destination {tuple(target.size())}"
-                )
-            target.copy_(source)
+            _copy_checked(
+                req, target, narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
+            )
         planner.commit_tensor(req, target)
+
+
+def _row_range(
+    sizes: torch.Size, offsets: Sequence[int], lengths: Sequence[int], itemsize: int
+) -> tuple[int, int] | None:
+    """(start, length) in bytes of the region ``offsets``/``lengths`` of a contiguous chunk of
+    shape ``sizes`` when it is contiguous too (only dim 0 narrowed), else ``None``."""
+    if len(sizes) == 0:
+        return (0, itemsize)
+    if tuple(offsets[1:]) != (0,) * (len(sizes) - 1) or tuple(lengths[1:]) != tuple(sizes[1:]):
+        return None
+    row = itemsize
+    for size in sizes[1:]:
+        row *= size
+    return (offsets[0] * row, lengths[0] * row)
+
+
+def _copy_checked(req: ReadItem, target: torch.Tensor, source: torch.Tensor) -> None:
+    if target.size() != source.size():
+        raise ManifestError(
+            f"{req.storage_index.fqn}: stored chunk has shape {tuple(source.size())}, "
+            f"the destination {tuple(target.size())}"
+        )
+    target.copy_(source)

@@ -132,3 +132,21 @@ def plan_changes_on_one_rank(root: str) -> list:
         eng.load(loaded)
         out.append(float(loaded["w"][0]))
     return out
+
+
+BIG_SHAPE = (3000, 512)  # 6 MB: chunks above the ranged-read threshold
+
+
+def save_big(root: str) -> None:
+    value = torch.arange(BIG_SHAPE[0] * BIG_SHAPE[1], dtype=torch.float32).view(BIG_SHAPE)
+    with CheckpointEngine(root) as eng:
+        eng.save({"big": sharded(dist.get_world_size(), value)}, step=1).result()
+
+
+def load_big(root: str) -> int:
+    target = {"big": sharded(dist.get_world_size(), torch.zeros(BIG_SHAPE))}
+    with CheckpointEngine(root) as eng:
+        result = eng.load(target)
+    expected = torch.arange(BIG_SHAPE[0] * BIG_SHAPE[1], dtype=torch.float32).view(BIG_SHAPE)
+    assert torch.equal(target["big"].full_tensor(), expected)
+    return result.bytes_read
