@@ -6,7 +6,9 @@
    crash at step 25 (SIGKILL), like a lost node;
 2. list the checkpoints: steps 10 and 20 are committed, nothing partial is visible;
 3. run the very same command again: it resumes from step 20 (verified first) and finishes;
-4. inspect the last checkpoint (resolved config, versions, files) and verify them all.
+4. inspect the last checkpoint (resolved config, versions, files);
+5. continue the same run on 1 process (the world size changed: the state is resharded and the
+   epoch's remaining samples are dealt to the new ranks), then verify every checkpoint.
 """
 
 from __future__ import annotations
@@ -72,9 +74,15 @@ def main() -> None:
     step("4. the last checkpoint: its manifest records the resolved config, versions and files")
     newest = sorted(p for p in ckpts.iterdir() if p.is_dir())[-1]
     run([*cli, "inspect", str(newest)])
+
+    step("5. elastic: continue the same run on 1 process instead of 2, up to step 80")
+    run([*fit, "--trainer.devices", "1", "--trainer.max_steps", "80"])
+    run([*cli, "ls", str(ckpts)])
     run([*cli, "verify", str(ckpts)])
     print(
-        "\ndemo finished: crashed at step 25, resumed from step 20, finished at step 60", flush=True
+        "\ndemo finished: crashed at step 25, resumed from step 20 on 2 processes, finished at 60;"
+        " resumed from 60 on 1 process, finished at 80",
+        flush=True,
     )
 
 
