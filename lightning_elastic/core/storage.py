@@ -164,16 +164,13 @@ class Storage:
         """
         sync = self.durable if durable is None else durable
         path = self.full(rel)
-        if self.is_local and not exclusive:
 
-            def write() -> Written:
-                return self._write_local(path, chunks(), checksum, False, sync, direct)
-
-        else:
-            writer = self._write_local_exclusive if self.is_local else self._write_fsspec
-
-            def write() -> Written:
-                return writer(path, chunks(), checksum, exclusive, sync)
+        def write() -> Written:
+            if not self.is_local:  # fsspec: no fsync there; object stores commit on upload
+                return self._write_fsspec(path, chunks(), checksum, exclusive)
+            if exclusive:
+                return self._write_local_exclusive(path, chunks(), checksum, sync)
+            return self._write_local(path, chunks(), checksum, sync, direct)
 
         written: Written = self._call("write", rel, write)
         return written
@@ -188,7 +185,6 @@ class Storage:
         path: str,
         chunks: Iterable[Buffer],
         checksum: str | None,
-        exclusive: bool,
         sync: bool,
         direct: bool = False,
     ) -> Written:
@@ -209,17 +205,12 @@ class Storage:
         return written
 
     def _write_local_exclusive(
-        self,
-        path: str,
-        chunks: Iterable[Buffer],
-        checksum: str | None,
-        exclusive: bool,
-        sync: bool,
+        self, path: str, chunks: Iterable[Buffer], checksum: str | None, sync: bool
     ) -> Written:
         if os.path.exists(path):
             raise CheckpointExistsError(f"{path} already exists")
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        written = self._write_local(tmp, chunks, checksum, False, sync)
+        written = self._write_local(tmp, chunks, checksum, sync)
         try:
             os.link(tmp, path)  # atomic, and fails if the name exists
         except FileExistsError:
@@ -231,13 +222,8 @@ class Storage:
         return written
 
     def _write_fsspec(
-        self,
-        path: str,
-        chunks: Iterable[Buffer],
-        checksum: str | None,
-        exclusive: bool,
-        sync: bool,
-    ) -> Written:  # object stores are durable once the upload completes: nothing to sync
+        self, path: str, chunks: Iterable[Buffer], checksum: str | None, exclusive: bool
+    ) -> Written:
         fs = self.fs
         parent = path.rsplit("/", 1)[0]
         if not self.is_object_store:  # on S3, makedirs would try to create the bucket
