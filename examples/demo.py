@@ -48,7 +48,8 @@ def main() -> None:
         .read_text()
         .replace("default_root_dir: demo_run", f"default_root_dir: {run_dir}")
     )
-    (run_dir / "config.yaml").write_text(config)
+    # not "config.yaml": LightningCLI saves the resolved config under that name in the run dir
+    (run_dir / "demo-config.yaml").write_text(config)
     fit = [
         sys.executable,
         "-W",
@@ -56,7 +57,7 @@ def main() -> None:
         str(HERE / "lightning_cli.py"),
         "fit",
         "--config",
-        str(run_dir / "config.yaml"),
+        str(run_dir / "demo-config.yaml"),
     ]
     cli = [sys.executable, "-m", "lightning_elastic.cli"]
     ckpts = run_dir / "checkpoints"

@@ -211,8 +211,8 @@ class ElasticSession:
             self.pending_rank_state["metrics"] = metrics
             self.pending_rank_state["reset_metrics"] = True
             log.warning(
-                "resuming %s written by %d ranks on %d ranks: rank-local state of new ranks is "
-                "derived from the seed; the epoch's remaining samples are redistributed",
+                "resuming %s, written by a world of %d, in a world of %d: the epoch's remaining "
+                "samples are redistributed and new ranks derive their RNG from the seed",
                 result.info.location,
                 saved_world,
                 world,

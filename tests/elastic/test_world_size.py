@@ -35,7 +35,7 @@ def test_chain_2_3_2_1_sees_every_sample_once_per_epoch(tmp_path) -> None:
     for epoch, counts in per_epoch.items():
         assert counts == collections.Counter(range(N)), f"epoch {epoch} is not the dataset once"
     # the world-size change was noticed and logged
-    assert any("written by 2 ranks on 1 ranks" in m for m in results[0]["log"])
+    assert any("written by a world of 2, in a world of 1" in m for m in results[0]["log"])
 
 
 @pytest.mark.parametrize("worlds", [(2, 1), (1, 2)])
