@@ -127,8 +127,8 @@ class CorruptCheckpointWarning(UserWarning):
     """A checkpoint failed verification and was skipped (and quarantined)."""
 
 
-class WorldSizeError(ElasticCheckpointError):
-    """The checkpoint cannot be used at this world size; the message says what would work."""
+class WorldSizeError(ConfigError):
+    """This world size cannot work with the configuration; the message says what would."""
 
 
 class RankFailure:

@@ -70,6 +70,10 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def succeeded(self) -> bool:
+        """Finished and committed (no waiting)."""
+        return self._future.done() and self._future.exception() is None
+
     def result(self, timeout: float | None = None) -> SaveResult:
         try:
             return self._future.result(timeout)

@@ -14,6 +14,7 @@ and of its directory, and an atomic exclusive publish (write a temporary file, t
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import errno
 import os
@@ -119,13 +120,15 @@ class Storage:
         return bool(names & _OBJECT_STORES)
 
     def child(self, rel: str) -> Storage:
-        """A storage rooted at ``rel`` below this one, sharing settings."""
-        url = self.url.rstrip("/") + "/" + rel.strip("/")
-        if self._injected_fs is not None:
-            return Storage(url, fs=self._injected_fs, retry=self.retry, durable=self.durable)
-        return Storage(
-            url, storage_options=self.storage_options, retry=self.retry, durable=self.durable
-        )
+        """A storage rooted at ``rel`` below this one, sharing its settings and its filesystem
+        instance (one client and connection pool per root, not one per checkpoint)."""
+        fs = self.fs  # resolve first: the child shares it
+        sub = copy.copy(self)
+        sub.url = self.url.rstrip("/") + "/" + rel.strip("/")
+        sub.root = self.full(rel)
+        if self._injected_fs is None:  # copy() went through __getstate__, which drops these
+            sub._fs, sub._pid = fs, self._pid
+        return sub
 
     def full(self, rel: str = "") -> str:
         rel = rel.strip("/")

@@ -299,10 +299,14 @@ class DistributedCheckpoint(Checkpoint):
         return best is None or (score < best if self.mode == "min" else score > best)
 
     def _finish_pending(self, trainer: pl.Trainer, *, wait: bool) -> None:
+        """Report a finished save. A failure is raised only where every rank waits (the next
+        save, the end of training): ranks finish at different moments, and raising on one
+        while the others enter the next step's agreement would split the job."""
         handle = self._pending
-        if handle is not None and (wait or handle.done()):
-            self._pending = None
-            self._report(trainer, handle)  # raises the save's error, on every rank
+        if handle is None or not (wait or (handle.done() and handle.succeeded())):
+            return
+        self._pending = None
+        self._report(trainer, handle)  # with wait: raises the save's error, on every rank
 
     def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
         result: SaveResult = handle.result()

@@ -27,7 +27,7 @@ from torch.utils.data import (
 )
 
 from lightning_elastic.core.resharding import DataPosition, epoch_order, rank_indices
-from lightning_elastic.errors import ConfigError
+from lightning_elastic.errors import ConfigError, WorldSizeError
 
 __all__ = ["ElasticSampler", "make_elastic"]
 
@@ -143,7 +143,7 @@ def make_elastic(
         return dataloader, sampler
     if global_batch_size is not None:
         if global_batch_size % num_replicas:
-            raise ConfigError(
+            raise WorldSizeError(
                 f"global_batch_size={global_batch_size} is not divisible by the world size "
                 f"{num_replicas}; choose a multiple of every world size you may run with "
                 "(e.g. a multiple of 6 for 1, 2 or 3 processes)"

@@ -8,7 +8,9 @@ Wrap any filesystem and list the faults::
 A fault matches an operation on a path (``fnmatch`` pattern) on some ranks (``RANK`` from the
 environment), lets ``skip`` matching calls through, then fires ``times`` times (0 = always).
 It raises ``OSError`` with the named errno, ``TimeoutError`` (``"timeout"``), stalls
-(``"stall"``, ``seconds``) or SIGKILLs the process (``"kill"``).
+(``"stall"``, ``seconds``) or SIGKILLs the process (``"kill"``). Importing this module registers
+the ``faulty://`` protocol (local files underneath): ``Storage("faulty:///tmp/x",
+storage_options={"faults": [...]})``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec
 from fsspec import AbstractFileSystem
 
 __all__ = ["OPS", "Fault", "FaultyFileSystem"]
@@ -51,8 +54,14 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
     protocol = "faulty"
     cachable = False
 
-    def __init__(self, target: AbstractFileSystem, faults: Sequence[Fault] = ()) -> None:
+    def __init__(
+        self, target: AbstractFileSystem | None = None, faults: Sequence[Fault] = (), **kwargs: Any
+    ) -> None:
         super().__init__()
+        if target is None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            target = LocalFileSystem()
         self.target = target
         self.faults = list(faults)
         self._seen = [0] * len(self.faults)
@@ -169,3 +178,8 @@ class _FaultyFile:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+# URLs like "faulty:///tmp/ckpts" with storage_options={"faults": [...]} reach it through any
+# API that takes a URL (DistributedCheckpoint, CheckpointEngine, the CLI).
+fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)

@@ -204,3 +204,18 @@ def test_checkpoint_requested_on_one_rank(tmp_path) -> None:
     assert sorted(manifests(tmp_path)) == [3]
     assert manifests(tmp_path)[3]["metadata"]["reason"] == "request"
     assert results[0]["last"] == results[1]["last"]
+
+
+def test_background_failure_surfaces_on_every_rank_at_the_same_step(tmp_path) -> None:
+    from lightning_elastic.testing.faults import Fault
+
+    faults = [Fault("write", "*rank00001.distcp", "EACCES", skip=1, times=0, ranks=(1,))]
+    results = run_distributed(
+        workers.fit_with_failing_storage, 2, str(tmp_path), faults, timeout=120
+    )
+    steps = {r["step"] for r in results}
+    assert len(steps) == 1, f"ranks stopped at different steps: {steps}"
+    for r in results:
+        assert r["error"] is not None and r["error"].failed_ranks == [1]
+        assert r["error"].phases == {"write"}
+    assert sorted(manifests(tmp_path)) == [2]  # the failed save committed nothing

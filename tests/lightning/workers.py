@@ -80,3 +80,23 @@ def fit_with_request(root: str) -> dict:
     trainer = make_trainer(root, max_steps=6, strategy=ElasticStrategy(), callbacks=[checkpoint])
     trainer.fit(Asking())
     return {"last": checkpoint.last_model_path}
+
+
+def fit_with_failing_storage(root: str, faults: list) -> dict:
+    """Saves go through faulty://, where rank 1's second shard write is refused."""
+    import lightning.pytorch as pl
+
+    import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
+    from lightning_elastic.errors import CheckpointSaveError
+
+    pl.seed_everything(7, verbose=False)
+    checkpoint = DistributedCheckpoint(
+        f"faulty://{root}/ckpts", storage_options={"faults": faults}, every_n_train_steps=2
+    )
+    model = TinyModule()
+    trainer = make_trainer(root, max_steps=12, strategy=ElasticStrategy(), callbacks=[checkpoint])
+    try:
+        trainer.fit(model)
+    except CheckpointSaveError as exc:
+        return {"error": exc, "step": trainer.global_step}
+    return {"error": None, "step": trainer.global_step}

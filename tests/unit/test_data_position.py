@@ -127,3 +127,17 @@ def test_sampler_drives_a_dataloader_length() -> None:
 def test_rank_outside_world_is_rejected() -> None:
     with pytest.raises(ValueError):
         ElasticSampler(range(4), num_replicas=2, rank=2)
+
+
+def test_global_batch_size_must_divide_by_the_world_size() -> None:
+    from lightning_elastic.errors import WorldSizeError
+    from lightning_elastic.lightning.data import make_elastic
+
+    loader = DataLoader(list(range(60)), batch_size=4, shuffle=True)
+    with pytest.raises(
+        WorldSizeError, match="global_batch_size=10 is not divisible by the world size 3"
+    ):
+        make_elastic(loader, num_replicas=3, rank=0, global_batch_size=10)
+    rebuilt, sampler = make_elastic(loader, num_replicas=3, rank=1, global_batch_size=12)
+    assert rebuilt.batch_size == 4 and sampler is not None and sampler.batch_size == 4
+    assert len(next(iter(rebuilt))) == 4

@@ -207,3 +207,10 @@ def test_direct_hint_with_unaligned_chunks_still_writes_correctly(tmp_path) -> N
         direct=True,
     )
     assert storage.read_bytes("x") == bytes(data) and written.size == len(data)
+
+
+def test_children_share_the_filesystem_instance(storage: Storage) -> None:
+    child = storage.child("a").child("b")
+    assert child.fs is storage.fs
+    child.write_bytes("f", b"1")
+    assert storage.read_bytes("a/b/f") == b"1"
