@@ -73,6 +73,7 @@ def test_sharded_optimizer_state_reshards_bitwise(tmp_path, saved, loaded) -> No
     restored: dict[str, dict] = {}
     for r in after:
         assert r["resumed_from"].endswith("step_000000006")
+        assert r["sharded"] and r["lr"] == pytest.approx(0.01 * 0.7**2)  # StepLR(3, 0.7) kept
         restored.update(r["partition"])
     assert set(restored) == set(reference)
     for name, states in reference.items():

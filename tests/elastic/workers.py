@@ -61,6 +61,7 @@ def elastic_fit(
         strategy=strategy,
         devices=devices,
         callbacks=[journal, checkpoint],
+        gradient_clip_val=1.0 if shard else None,  # clipping goes through the ZeRO optimizer
     )
     trainer.fit(model)
     return {
@@ -71,5 +72,7 @@ def elastic_fit(
         "global_step": trainer.global_step,
         "resumed_from": trainer.ckpt_path,
         "partition": partition_state(trainer, model),
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "sharded": isinstance(trainer.strategy.optimizers[0], ZeroRedundancyOptimizer),
         "log": records.messages,
     }

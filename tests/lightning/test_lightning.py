@@ -219,3 +219,12 @@ def test_background_failure_surfaces_on_every_rank_at_the_same_step(tmp_path) ->
         assert r["error"] is not None and r["error"].failed_ranks == [1]
         assert r["error"].phases == {"write"}
     assert sorted(manifests(tmp_path)) == [2]  # the failed save committed nothing
+
+
+def test_every_n_epochs(tmp_path) -> None:
+    # single device: 64 samples / batch 4 = 16 steps per epoch
+    workers.fit(str(tmp_path), 40, every=None, strategy="auto", devices=1, every_n_epochs=1)
+    steps = {step: body["metadata"]["reason"] for step, body in manifests(tmp_path).items()}
+    # max_steps ends epoch 2 early and Lightning still runs its epoch-end hooks: that save is
+    # an epoch save, and the train-end save does not repeat it
+    assert steps == {16: "epoch", 32: "epoch", 40: "epoch"}

@@ -141,3 +141,55 @@ def test_global_batch_size_must_divide_by_the_world_size() -> None:
     rebuilt, sampler = make_elastic(loader, num_replicas=3, rank=1, global_batch_size=12)
     assert rebuilt.batch_size == 4 and sampler is not None and sampler.batch_size == 4
     assert len(next(iter(rebuilt))) == 4
+
+
+def test_metric_folding_and_the_unmergeable_warning() -> None:
+    import torchmetrics
+
+    from lightning_elastic.lightning.metrics import fold_metric_states, metric_states
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = torchmetrics.SumMetric()
+            self.seen = torchmetrics.CatMetric()
+            self.top = torchmetrics.MaxMetric()
+
+    per_rank = []
+    for values in ([1.0, 2.0], [5.0]):
+        holder = Holder()
+        for v in values:
+            for metric in (holder.total, holder.seen, holder.top):
+                metric.update(torch.tensor(v))
+        per_rank.append(metric_states(holder))
+    folded = fold_metric_states(Holder(), per_rank)
+    assert folded["total"]["state"]["sum_value"].item() == 8.0
+    assert folded["top"]["state"]["max_value"].item() == 5.0
+    assert sorted(
+        torch.cat([torch.atleast_1d(t) for t in folded["seen"]["state"]["value"]]).tolist()
+    ) == [1.0, 2.0, 5.0]
+    assert folded["total"]["update_count"] == 3
+
+    class Last(torchmetrics.Metric):  # keeps only the last value: no meaningful merge
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("last", torch.tensor(0.0), dist_reduce_fx=None)
+
+        def update(self, value: torch.Tensor) -> None:
+            self.last = value
+
+        def compute(self) -> torch.Tensor:
+            return self.last
+
+    class WithLast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = Last()
+
+    states = []
+    for v in (1.0, 3.0):
+        holder = WithLast()
+        holder.m.update(torch.tensor(v))
+        states.append(metric_states(holder))
+    with pytest.warns(UserWarning, match="cannot be merged across a world-size change"):
+        assert fold_metric_states(WithLast(), states) == {}

@@ -462,3 +462,17 @@ def test_template_with_int_keyed_objects_keeps_keys(engine: CheckpointEngine) ->
     engine.load(template)
     assert template == {"s": {0: {"x": 1}, 1: template["s"][1]}} and set(template["s"]) == {0, 1}
     assert torch.equal(template["s"][1], torch.ones(2))
+
+
+def test_new_ranks_get_deterministic_distinct_rng_streams() -> None:
+    from lightning_elastic.core import rng
+
+    a, b, again = rng.derived_states(7, 3), rng.derived_states(7, 4), rng.derived_states(7, 3)
+    assert torch.equal(a["torch"], again["torch"]) and a["python"] == again["python"]
+    assert not torch.equal(a["torch"], b["torch"])
+    saved = rng.capture()
+    rng.restore(a)
+    first = torch.rand(3)
+    rng.restore(again)
+    assert torch.equal(torch.rand(3), first)
+    rng.restore(saved)
