@@ -11,7 +11,6 @@ which plans the reads and reshards N -> M.
 from __future__ import annotations
 
 import io
-import itertools
 import logging
 import time
 import warnings
@@ -38,6 +37,7 @@ from lightning_elastic.errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
     CorruptCheckpointWarning,
+    ManifestError,
     RankFailure,
     UnsupportedFormatError,
 )
@@ -258,12 +258,8 @@ def _template(metadata: Metadata, skeleton: Skeleton, prefix: tuple[str, ...]) -
             return torch.empty(md.size, dtype=md.properties.dtype)
         return None
 
-    if skeleton is None:  # written without a skeleton: rebuild from the paths alone
-        root: dict[str, Any] = {}
-        for path in leaves:
-            if path[: len(prefix)] == prefix:
-                _set_path(root, list(path), leaf(path))
-        return root or None
+    if skeleton is None:
+        raise ManifestError("dcp_metadata.json records no skeleton of the saved state")
     try:
         node = build(subtree(skeleton, prefix), leaf, prefix)
     except KeyError:
@@ -271,24 +267,6 @@ def _template(metadata: Metadata, skeleton: Skeleton, prefix: tuple[str, ...]) -
     for key in reversed(prefix):
         node = {key: node}
     return node
-
-
-def _set_path(root: Any, path: list[Any], value: Any) -> None:
-    node = root
-    for key, following in itertools.pairwise(path):
-        empty: Any = [] if isinstance(following, int) else {}
-        if isinstance(node, list):
-            while len(node) <= key:
-                node.append(None)
-            node[key] = empty if node[key] is None else node[key]
-            node = node[key]
-        else:
-            node = node.setdefault(key, empty)
-    last = path[-1]
-    if isinstance(node, list):
-        while len(node) <= last:
-            node.append(None)
-    node[last] = value
 
 
 def _failures(exc: CheckpointException) -> Mapping[int, BaseException]:
