@@ -14,7 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_elastic.core.catalog import CORRUPT, INCOMPLETE, VALID, Catalog, CheckpointInfo
+from lightning_elastic.core.catalog import (
+    CORRUPT,
+    INCOMPLETE,
+    VALID,
+    Catalog,
+    CheckpointInfo,
+    split_location,
+)
 from lightning_elastic.core.integrity import verify_files
 from lightning_elastic.core.manifest import MANIFEST_FILE, STAGING_FILE
 from lightning_elastic.core.retention import KeepEveryNSteps, KeepLastN, plan_deletions
@@ -95,9 +102,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _split(path: str) -> tuple[str, str]:
-    trimmed = path.rstrip("/")
-    parent, _, name = trimmed.rpartition("/")
-    if not name or not parent:
+    parent, name = split_location(path)
+    if not name or "/" not in path.rstrip("/"):
         raise SystemExit(f"error: {path!r} does not name a checkpoint directory")
     return parent, name
 

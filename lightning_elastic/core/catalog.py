@@ -33,7 +33,15 @@ from lightning_elastic.errors import (
     UnsupportedFormatError,
 )
 
-__all__ = ["CORRUPT", "INCOMPLETE", "VALID", "Catalog", "CheckpointInfo", "checkpoint_name"]
+__all__ = [
+    "CORRUPT",
+    "INCOMPLETE",
+    "VALID",
+    "Catalog",
+    "CheckpointInfo",
+    "checkpoint_name",
+    "split_location",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,12 @@ VALID = "valid"
 CORRUPT = "corrupt"
 INCOMPLETE = "incomplete"
 _NAME = re.compile(r"^step_(\d+)(?:-(\d+))?$")
+
+
+def split_location(path: object) -> tuple[str, str]:
+    """``root/name`` -> (root, name) for local paths and URLs (root ``"."`` when bare)."""
+    root, _, name = str(path).rstrip("/").rpartition("/")
+    return root or ".", name
 
 
 def checkpoint_name(step: int, attempt: int = 0) -> str:
@@ -174,15 +188,6 @@ class Catalog:
             problem = f"quarantined: {quarantine.file}: {quarantine.reason}"
             return CheckpointInfo(name, location, CORRUPT, manifest, problem, staging, quarantine)
         return CheckpointInfo(name, location, VALID, manifest, staging=staging)
-
-    def manifest(self, name: str) -> Manifest:
-        """The parsed manifest of ``name``; raises if missing or malformed."""
-        if not self.storage.exists(f"{name}/{MANIFEST_FILE}"):
-            raise CheckpointNotFoundError(
-                f"{self.storage.display(name)} has no {MANIFEST_FILE}: it is not a committed "
-                "checkpoint (a save that never finished, or not a checkpoint at all)"
-            )
-        return self._read_manifest(name, self.storage.size(f"{name}/{MANIFEST_FILE}"))
 
     def _read_manifest(self, name: str, size: int) -> Manifest:
         cached = self._manifests.get((name, size))

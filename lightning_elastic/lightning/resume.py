@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
+from lightning_elastic.core.catalog import split_location
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.manifest import MANIFEST_FILE
 from lightning_elastic.core.storage import Storage
@@ -32,20 +33,12 @@ if TYPE_CHECKING:
 __all__ = [
     "install_resume_hook",
     "is_elastic_checkpoint",
-    "split_checkpoint_path",
     "uninstall_resume_hook",
 ]
 
 log = logging.getLogger(__name__)
 _ORIGINAL = "_lightning_elastic_original_resume_start"
 _ORIGINAL_PROCESS = "_lightning_elastic_original_process_dataloader"
-
-
-def split_checkpoint_path(path: Any) -> tuple[str, str]:
-    """``root/name`` -> (root, name); works for local paths and URLs."""
-    text = str(path).rstrip("/")
-    root, _, name = text.rpartition("/")
-    return root or ".", name
 
 
 def is_elastic_checkpoint(path: Any, storage_options: dict[str, Any] | None = None) -> bool:
@@ -76,7 +69,7 @@ def install_resume_hook(
                 rank_zero_info(f"no valid checkpoint in {engine.storage.display()}: starting fresh")
                 return original(checkpoint_path, weights_only=weights_only)
         elif is_elastic_checkpoint(checkpoint_path):
-            root, name = split_checkpoint_path(checkpoint_path)
+            root, name = split_location(checkpoint_path)
             checkpoint = session.load(session.engine(root), name=name, verify=verify)
         else:
             return original(checkpoint_path, weights_only=weights_only)

@@ -35,10 +35,11 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_elastic.core.catalog import split_location
 from lightning_elastic.core.integrity import VERIFY_MODES
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
-from lightning_elastic.lightning.resume import is_elastic_checkpoint, split_checkpoint_path
+from lightning_elastic.lightning.resume import is_elastic_checkpoint
 from lightning_elastic.lightning.session import ElasticSession
 
 __all__ = ["ElasticStrategy"]
@@ -195,7 +196,7 @@ class ElasticStrategy(DDPStrategy):
     ) -> None:
         """Every rank writes its share of ``checkpoint`` into the directory ``filepath``."""
         trainer = self._trainer()
-        root, name = split_checkpoint_path(filepath)
+        root, name = split_location(filepath)
         session = self._session(trainer)
         options = dict(storage_options or {}) if isinstance(storage_options, dict) else {}
         engine = session.engine(root, storage_options=options)
@@ -216,7 +217,7 @@ class ElasticStrategy(DDPStrategy):
         if not is_elastic_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         trainer = self._trainer()
-        root, name = split_checkpoint_path(checkpoint_path)
+        root, name = split_location(checkpoint_path)
         session = self._session(trainer)
         checkpoint = session.load(session.engine(root), name=name, verify=self.verify)
         assert checkpoint is not None
@@ -231,7 +232,7 @@ class ElasticStrategy(DDPStrategy):
             from lightning_elastic.core.saver import delete_checkpoint
             from lightning_elastic.core.storage import Storage
 
-            root, name = split_checkpoint_path(filepath)
+            root, name = split_location(filepath)
             storage = Storage(root)
             delete_checkpoint(storage, Catalog(storage), name)
 
