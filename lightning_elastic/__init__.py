@@ -1,66 +1,110 @@
-"""lightning_elastic: distributed checkpoint sync for elastic PyTorch Lightning training."""
+"""lightning_elastic: distributed checkpoint sync for elastic PyTorch Lightning training.
 
-from lightning_elastic.core.catalog import CheckpointInfo
-from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
-from lightning_elastic.core.loader import LoadResult
-from lightning_elastic.core.manifest import Manifest
-from lightning_elastic.core.retention import KeepAll, KeepBestK, KeepEveryNSteps, KeepLastN
-from lightning_elastic.core.retry import RetryPolicy
-from lightning_elastic.core.saver import SaveResult
-from lightning_elastic.core.storage import Storage
-from lightning_elastic.errors import (
-    CheckpointExistsError,
-    CheckpointLoadError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    CheckpointTimeoutError,
-    ConfigError,
-    CorruptCheckpointWarning,
-    ElasticCheckpointError,
-    IntegrityError,
-    ManifestError,
-    StorageError,
-    StorageFullError,
-    StorageNotFoundError,
-    StoragePermissionError,
-    TransientStorageError,
-    UnsupportedFormatError,
-)
-from lightning_elastic.lightning import DistributedCheckpoint, ElasticSampler, ElasticStrategy
+The public names below are imported lazily (PEP 562): ``import lightning_elastic`` (and the
+core, the errors, the CLI) never imports Lightning, and torch only when a name that needs it
+is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointEngine",
-    "CheckpointExistsError",
-    "CheckpointInfo",
-    "CheckpointLoadError",
-    "CheckpointNotFoundError",
-    "CheckpointSaveError",
-    "CheckpointTimeoutError",
-    "ConfigError",
-    "CorruptCheckpointWarning",
-    "DistributedCheckpoint",
-    "ElasticCheckpointError",
-    "ElasticSampler",
-    "ElasticStrategy",
-    "IntegrityError",
-    "KeepAll",
-    "KeepBestK",
-    "KeepEveryNSteps",
-    "KeepLastN",
-    "LoadResult",
-    "Manifest",
-    "ManifestError",
-    "RetryPolicy",
-    "SaveHandle",
-    "SaveResult",
-    "Storage",
-    "StorageError",
-    "StorageFullError",
-    "StorageNotFoundError",
-    "StoragePermissionError",
-    "TransientStorageError",
-    "UnsupportedFormatError",
-    "__version__",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "CheckpointEngine": "lightning_elastic.core.engine",
+    "SaveHandle": "lightning_elastic.core.engine",
+    "CheckpointInfo": "lightning_elastic.core.format.catalog",
+    "Manifest": "lightning_elastic.core.format.manifest",
+    "LoadResult": "lightning_elastic.core.load.load",
+    "KeepAll": "lightning_elastic.core.policy.retention",
+    "KeepBestK": "lightning_elastic.core.policy.retention",
+    "KeepEveryNSteps": "lightning_elastic.core.policy.retention",
+    "KeepLastN": "lightning_elastic.core.policy.retention",
+    "SaveResult": "lightning_elastic.core.save.request",
+    "RetryPolicy": "lightning_elastic.core.storage.retry",
+    "Storage": "lightning_elastic.core.storage.base",
+    "DistributedCheckpoint": "lightning_elastic.lightning.callback",
+    "ElasticSampler": "lightning_elastic.lightning.data",
+    "ElasticStrategy": "lightning_elastic.lightning.strategy",
+    **{
+        name: "lightning_elastic.errors"
+        for name in (
+            "CheckpointExistsError",
+            "CheckpointLoadError",
+            "CheckpointNotFoundError",
+            "CheckpointSaveError",
+            "CheckpointTimeoutError",
+            "ConfigError",
+            "CorruptCheckpointWarning",
+            "ElasticCheckpointError",
+            "IntegrityError",
+            "LoadTimeoutError",
+            "ManifestError",
+            "SaveTimeoutError",
+            "StorageError",
+            "StorageFullError",
+            "StorageNotFoundError",
+            "StoragePermissionError",
+            "TransientStorageError",
+            "UnsupportedFormatError",
+            "WorldSizeError",
+        )
+    },
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on demand
+    from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
+    from lightning_elastic.core.format.catalog import CheckpointInfo
+    from lightning_elastic.core.format.manifest import Manifest
+    from lightning_elastic.core.load.load import LoadResult
+    from lightning_elastic.core.policy.retention import (
+        KeepAll,
+        KeepBestK,
+        KeepEveryNSteps,
+        KeepLastN,
+    )
+    from lightning_elastic.core.save.request import SaveResult
+    from lightning_elastic.core.storage.base import Storage
+    from lightning_elastic.core.storage.retry import RetryPolicy
+    from lightning_elastic.errors import (
+        CheckpointExistsError,
+        CheckpointLoadError,
+        CheckpointNotFoundError,
+        CheckpointSaveError,
+        CheckpointTimeoutError,
+        ConfigError,
+        CorruptCheckpointWarning,
+        ElasticCheckpointError,
+        IntegrityError,
+        LoadTimeoutError,
+        ManifestError,
+        SaveTimeoutError,
+        StorageError,
+        StorageFullError,
+        StorageNotFoundError,
+        StoragePermissionError,
+        TransientStorageError,
+        UnsupportedFormatError,
+        WorldSizeError,
+    )
+    from lightning_elastic.lightning.callback import DistributedCheckpoint
+    from lightning_elastic.lightning.data import ElasticSampler
+    from lightning_elastic.lightning.strategy import ElasticStrategy
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_elastic.core.catalog import (
+from lightning_elastic.core.format.catalog import (
     CORRUPT,
     INCOMPLETE,
     VALID,
@@ -22,11 +22,11 @@ from lightning_elastic.core.catalog import (
     CheckpointInfo,
     split_location,
 )
-from lightning_elastic.core.integrity import verify_files
-from lightning_elastic.core.manifest import MANIFEST_FILE, STAGING_FILE
-from lightning_elastic.core.retention import KeepEveryNSteps, KeepLastN, plan_deletions
-from lightning_elastic.core.saver import delete_checkpoint
-from lightning_elastic.core.storage import Storage
+from lightning_elastic.core.format.integrity import verify_files
+from lightning_elastic.core.format.manifest import MANIFEST_FILE, STAGING_FILE
+from lightning_elastic.core.policy.housekeeping import delete_checkpoint
+from lightning_elastic.core.policy.retention import KeepEveryNSteps, KeepLastN, plan_deletions
+from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ElasticCheckpointError
 
 __all__ = ["main"]
@@ -315,7 +315,7 @@ def _prune(args: argparse.Namespace) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_elastic.core.loader import read_full_state
+    from lightning_elastic.core.load.load import read_full_state
 
     storage, catalog, name = _checkpoint(args)
     info = catalog.info(name)

@@ -8,6 +8,7 @@ where, and what to do about it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from enum import Enum
 
 __all__ = [
     "CheckpointExistsError",
@@ -20,8 +21,11 @@ __all__ = [
     "DistributedFailure",
     "ElasticCheckpointError",
     "IntegrityError",
+    "LoadTimeoutError",
     "ManifestError",
+    "Phase",
     "RankFailure",
+    "SaveTimeoutError",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
@@ -131,19 +135,42 @@ class WorldSizeError(ConfigError):
     """This world size cannot work with the configuration; the message says what would."""
 
 
+class Phase(str, Enum):
+    """Where a save or load was when something failed (the value is what messages show)."""
+
+    INIT = "init"
+    AGREE = "agree"
+    SAVE_DECIDE = "save/decide"
+    SAVE_BUSY = "save/busy"
+    SAVE_PLAN = "save/plan"
+    WRITE = "write"
+    COMMIT = "commit"
+    LOAD_SELECT = "load/select"
+    LOAD_VERIFY = "load/verify"
+    LOAD_QUARANTINE = "load/quarantine"
+    LOAD = "load"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class RankFailure:
-    """What went wrong on one rank: the phase it was in and a message (picklable)."""
+    """What went wrong on one rank: the phase it was in and a message (picklable).
+
+    ``phase`` is kept as the :class:`Phase`'s string value, so failures travel as JSON and
+    a phase written by another version still reads back.
+    """
 
     __slots__ = ("error_type", "message", "phase", "rank")
 
-    def __init__(self, rank: int, phase: str, error_type: str, message: str) -> None:
+    def __init__(self, rank: int, phase: Phase | str, error_type: str, message: str) -> None:
         self.rank = rank
-        self.phase = phase
+        self.phase: str = phase.value if isinstance(phase, Phase) else str(phase)
         self.error_type = error_type
         self.message = message
 
     @classmethod
-    def from_exception(cls, rank: int, phase: str, exc: BaseException) -> RankFailure:
+    def from_exception(cls, rank: int, phase: Phase | str, exc: BaseException) -> RankFailure:
         return cls(rank, phase, type(exc).__name__, str(exc))
 
     def to_json(self) -> dict[str, object]:
@@ -212,19 +239,24 @@ class CheckpointLoadError(DistributedFailure):
     verb = "could not be loaded"
 
 
-class CheckpointTimeoutError(CheckpointSaveError, TimeoutError):
-    """Some ranks did not reach a synchronization point in time; ``missing_ranks`` names them."""
+class CheckpointTimeoutError(DistributedFailure, TimeoutError):
+    """Some ranks did not reach a synchronization point in time; ``missing_ranks`` names them.
+
+    A timeout is a kind of failure of the operation it happened in: catch
+    :class:`SaveTimeoutError` / :class:`LoadTimeoutError` (also caught by
+    ``except CheckpointSaveError`` / ``except CheckpointLoadError``), or this class for both.
+    """
 
     def __init__(
         self,
         checkpoint: str,
-        phase: str,
+        phase: Phase | str,
         missing_ranks: Sequence[int],
         timeout_s: float,
         failures: Sequence[RankFailure] = (),
     ) -> None:
         self.missing_ranks = sorted(missing_ranks)
-        self.phase_name = phase
+        self.phase_name = phase.value if isinstance(phase, Phase) else str(phase)
         self.timeout_s = timeout_s
         missing = [
             RankFailure(r, phase, "Timeout", f"did not report within {timeout_s:.1f}s")
@@ -238,3 +270,22 @@ class CheckpointTimeoutError(CheckpointSaveError, TimeoutError):
             type(self),
             (self.checkpoint, self.phase_name, self.missing_ranks, self.timeout_s, others),
         )
+
+
+class SaveTimeoutError(CheckpointTimeoutError, CheckpointSaveError):
+    """A save timed out waiting for ranks; nothing was committed."""
+
+
+class LoadTimeoutError(CheckpointTimeoutError, CheckpointLoadError):
+    """A load timed out waiting for ranks."""
+
+
+def timeout_error_for(error: type[DistributedFailure]) -> type[CheckpointTimeoutError]:
+    """The timeout class that is also an ``error`` (a save, a load, or neither)."""
+    if issubclass(error, CheckpointTimeoutError):
+        return error
+    if issubclass(error, CheckpointLoadError):
+        return LoadTimeoutError
+    if issubclass(error, CheckpointSaveError):
+        return SaveTimeoutError
+    return CheckpointTimeoutError

@@ -1,5 +1,14 @@
-"""The core: storage, manifest, integrity, commit, coordination, engine, retention.
+"""The core: never imports lightning. Each concept lives in one folder:
 
-Never imports lightning. Every piece receives rank, world size, process group, storage and
-clock from its caller, which keeps it testable in one process.
+* ``storage/``: the storage interface, its local and fsspec backends, retries, checksums;
+* ``format/``: manifest, DCP metadata JSON, skeleton, catalog, integrity;
+* ``dist/``: coordinator, commit channel, rank 0's commit;
+* ``save/``: request/result types, plan, stage, write, pipeline;
+* ``load/``: reader, selection (verification, quarantine), load;
+* ``policy/``: retention and deletion, triggers;
+* ``elastic/``: data position, RNG streams;
+* ``engine.py``: the facade (save / load / wait / close).
+
+Every piece receives rank, world size, process group, storage and clock from its caller,
+which keeps it testable in one process. See docs/architecture.md.
 """

@@ -25,31 +25,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from lightning_elastic.core.catalog import Catalog, CheckpointInfo
-from lightning_elastic.core.checksum import DEFAULT_ALGORITHM, new_hasher
-from lightning_elastic.core.commit import CommitChannel
-from lightning_elastic.core.coordinator import Coordinator
-from lightning_elastic.core.integrity import check_verify_mode
-from lightning_elastic.core.loader import (
-    RANK_LOCAL_KEY,
-    LoadResult,
-    load_checkpoint,
-    select_checkpoint,
+from lightning_elastic.core.dist.channel import CommitChannel
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
+from lightning_elastic.core.format.integrity import check_verify_mode
+from lightning_elastic.core.format.manifest import check_json_safe
+from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, load_checkpoint
+from lightning_elastic.core.load.select import select_checkpoint
+from lightning_elastic.core.policy.retention import RetentionPolicy
+from lightning_elastic.core.save.pipeline import finish_save, stage_save
+from lightning_elastic.core.save.plan import plan_save
+from lightning_elastic.core.save.request import SaveContext, SaveRequest, SaveResult
+from lightning_elastic.core.save.stage import HostArena
+from lightning_elastic.core.save.write import check_compression
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
+from lightning_elastic.errors import (
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ConfigError,
+    Phase,
 )
-from lightning_elastic.core.manifest import check_json_safe
-from lightning_elastic.core.retention import RetentionPolicy
-from lightning_elastic.core.saver import (
-    SaveContext,
-    SaveRequest,
-    SaveResult,
-    finish_save,
-    plan_save,
-    stage_save,
-)
-from lightning_elastic.core.shardio import check_compression
-from lightning_elastic.core.staging import StagingArena
-from lightning_elastic.core.storage import Storage
-from lightning_elastic.errors import CheckpointNotFoundError, ConfigError
 
 __all__ = ["WHEN_BUSY", "CheckpointEngine", "SaveHandle"]
 
@@ -143,7 +139,7 @@ class CheckpointEngine:
             timeout=timeout, process_group=process_group
         )
         coord = self.coordinator
-        agreed_run_id = coord.broadcast("init", lambda: run_id or uuid.uuid4().hex[:12])
+        agreed_run_id = coord.broadcast(Phase.INIT, lambda: run_id or uuid.uuid4().hex[:12])
         self.catalog = Catalog(storage)
         self._ctx = SaveContext(
             storage=storage,
@@ -160,7 +156,7 @@ class CheckpointEngine:
             checksum=checksum,
             compression=compression,
             timeout_s=timeout.total_seconds(),
-            arena=StagingArena(pin_memory=torch.cuda.is_available()),
+            arena=HostArena(pin_memory=torch.cuda.is_available()),
             retention=tuple(retention),
         )
         self._executor: ThreadPoolExecutor | None = None
@@ -186,7 +182,7 @@ class CheckpointEngine:
         return self._ctx.resumed_from
 
     @property
-    def arena(self) -> StagingArena:
+    def arena(self) -> HostArena:
         return self._ctx.arena
 
     # ------------------------------------------------------------------ saving
@@ -332,7 +328,9 @@ class CheckpointEngine:
         handle = self._inflight
         if handle is None:
             return True
-        if self.when_busy == "skip" and not self.coordinator.all(handle.done(), "save/busy"):
+        if self.when_busy == "skip" and not self.coordinator.all(
+            handle.done(), Phase.SAVE_BUSY, error=CheckpointSaveError
+        ):
             log.info("skipping a save: %r is still in flight on some rank", handle)
             return False
         self._inflight = None

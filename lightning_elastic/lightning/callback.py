@@ -25,9 +25,9 @@ from lightning.pytorch.strategies import (
 )
 
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
-from lightning_elastic.core.integrity import VERIFY_MODES
-from lightning_elastic.core.retention import KeepBestK, KeepEveryNSteps, KeepLastN
-from lightning_elastic.core.triggers import (
+from lightning_elastic.core.format.integrity import VERIFY_MODES
+from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
+from lightning_elastic.core.policy.triggers import (
     Agreement,
     EveryInterval,
     EveryNEpochs,
@@ -44,7 +44,7 @@ from lightning_elastic.lightning.resume import (
 from lightning_elastic.lightning.session import ElasticSession
 
 if TYPE_CHECKING:
-    from lightning_elastic.core.saver import SaveResult
+    from lightning_elastic.core.save.request import SaveResult
 
 __all__ = ["DistributedCheckpoint"]
 

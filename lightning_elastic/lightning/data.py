@@ -1,8 +1,9 @@
 """The elastic sampler and its injection into training dataloaders.
 
 ``ElasticSampler`` yields exactly what ``DistributedSampler`` yields for a fresh epoch and can
-resume an epoch at a recorded :class:`~lightning_elastic.core.resharding.DataPosition`, at the
-same or another world size (see :mod:`lightning_elastic.core.resharding` for the rules).
+resume an epoch at a recorded
+:class:`~lightning_elastic.core.elastic.data_position.DataPosition`, at the same or another
+world size (see :mod:`lightning_elastic.core.elastic.data_position` for the rules).
 
 ``ElasticStrategy`` swaps it in for the sampler Lightning injects into *map-style* training
 dataloaders (``DistributedSampler``, ``RandomSampler`` or ``SequentialSampler``). Iterable
@@ -26,7 +27,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_elastic.core.resharding import DataPosition, epoch_order, rank_indices
+from lightning_elastic.core.elastic.data_position import DataPosition, epoch_order, rank_indices
 from lightning_elastic.errors import ConfigError, WorldSizeError
 
 __all__ = ["ElasticSampler", "make_elastic"]

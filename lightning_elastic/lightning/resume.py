@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-from lightning_elastic.core.catalog import split_location
 from lightning_elastic.core.engine import CheckpointEngine
-from lightning_elastic.core.manifest import MANIFEST_FILE
-from lightning_elastic.core.storage import Storage
+from lightning_elastic.core.format.catalog import split_location
+from lightning_elastic.core.format.manifest import MANIFEST_FILE
+from lightning_elastic.core.storage.base import Storage
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

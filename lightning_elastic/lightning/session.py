@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning_elastic.core import rng
-from lightning_elastic.core.coordinator import Coordinator
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.elastic import rng
+from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
-from lightning_elastic.core.loader import LoadResult, read_rank_states
-from lightning_elastic.core.resharding import DataPosition
+from lightning_elastic.core.load.load import LoadResult, read_rank_states
 from lightning_elastic.errors import CheckpointNotFoundError
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,

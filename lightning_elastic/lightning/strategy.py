@@ -35,8 +35,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from lightning_elastic.core.catalog import split_location
-from lightning_elastic.core.integrity import VERIFY_MODES
+from lightning_elastic.core.format.catalog import split_location
+from lightning_elastic.core.format.integrity import VERIFY_MODES
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
@@ -228,9 +228,9 @@ class ElasticStrategy(DDPStrategy):
             super().remove_checkpoint(filepath)
             return
         if self.is_global_zero:
-            from lightning_elastic.core.catalog import Catalog
-            from lightning_elastic.core.saver import delete_checkpoint
-            from lightning_elastic.core.storage import Storage
+            from lightning_elastic.core.format.catalog import Catalog
+            from lightning_elastic.core.policy.housekeeping import delete_checkpoint
+            from lightning_elastic.core.storage.base import Storage
 
             root, name = split_location(filepath)
             storage = Storage(root)

@@ -8,7 +8,7 @@ import torch
 
 from lightning_elastic import CheckpointEngine
 from lightning_elastic.cli import main
-from lightning_elastic.core.manifest import MANIFEST_FILE
+from lightning_elastic.core.format.manifest import MANIFEST_FILE
 
 CONFIG = "trainer:\n  max_steps: 10\nmodel:\n  lr: 0.1\n"
 

@@ -13,7 +13,7 @@ SHARD_1 = "*rank00001.distcp"
 
 def statuses(root) -> dict:
     from lightning_elastic import Storage
-    from lightning_elastic.core.catalog import Catalog
+    from lightning_elastic.core.format.catalog import Catalog
 
     return {i.name: i.status for i in Catalog(Storage(root)).scan()}
 

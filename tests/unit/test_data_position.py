@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_elastic.core.resharding import DataPosition
+from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.lightning.data import ElasticSampler
 
 

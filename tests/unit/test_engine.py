@@ -22,7 +22,7 @@ from lightning_elastic import (
     Storage,
     UnsupportedFormatError,
 )
-from lightning_elastic.core.manifest import MANIFEST_FILE, QUARANTINE_FILE
+from lightning_elastic.core.format.manifest import MANIFEST_FILE, QUARANTINE_FILE
 from lightning_elastic.testing.faults import Fault, FaultyFileSystem
 
 
@@ -465,7 +465,7 @@ def test_template_with_int_keyed_objects_keeps_keys(engine: CheckpointEngine) ->
 
 
 def test_new_ranks_get_deterministic_distinct_rng_streams() -> None:
-    from lightning_elastic.core import rng
+    from lightning_elastic.core.elastic import rng
 
     a, b, again = rng.derived_states(7, 3), rng.derived_states(7, 4), rng.derived_states(7, 3)
     assert torch.equal(a["torch"], again["torch"]) and a["python"] == again["python"]

@@ -11,8 +11,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_elastic.core.dcp_format import ItemLocation, metadata_from_json, metadata_to_json
-from lightning_elastic.core.manifest import (
+from lightning_elastic.core.format.dcp_json import (
+    ItemLocation,
+    metadata_from_json,
+    metadata_to_json,
+)
+from lightning_elastic.core.format.manifest import (
     FORMAT_VERSION,
     FileRecord,
     Manifest,

@@ -1,8 +1,8 @@
 import pytest
 
 from lightning_elastic import KeepAll, KeepBestK, KeepEveryNSteps, KeepLastN
-from lightning_elastic.core.catalog import CORRUPT, INCOMPLETE, VALID, CheckpointInfo
-from lightning_elastic.core.retention import plan_deletions
+from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, VALID, CheckpointInfo
+from lightning_elastic.core.policy.retention import plan_deletions
 from lightning_elastic.errors import ConfigError
 from tests.unit.test_manifest import make_manifest
 

@@ -2,7 +2,7 @@ import errno
 
 import pytest
 
-from lightning_elastic.core.retry import RetryPolicy, classify_error, retry_call
+from lightning_elastic.core.storage.retry import RetryPolicy, classify_error, retry_call
 from lightning_elastic.errors import (
     ConfigError,
     StorageError,

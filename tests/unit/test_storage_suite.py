@@ -178,10 +178,10 @@ def test_file_url_uses_the_local_fast_path(tmp_path) -> None:
 def test_direct_writes_whole_pages_and_buffers_the_tail(tmp_path) -> None:
     import torch
 
-    from lightning_elastic.core.staging import PAGE, StagingArena
-    from lightning_elastic.core.storage import _LocalFile
+    from lightning_elastic.core.save.stage import PAGE, HostArena
+    from lightning_elastic.core.storage.base import _LocalFile
 
-    arena = StagingArena()
+    arena = HostArena()
     image = arena.reserve(3 * PAGE + 100)
     assert image.data_ptr() % PAGE == 0
     image.copy_(torch.arange(image.numel(), dtype=torch.int64).to(torch.uint8))

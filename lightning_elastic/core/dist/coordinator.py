@@ -2,14 +2,16 @@
 
 Protocol: every collective here is called by all ranks of the group, in the same order, from
 the thread that drives training (never from the background writer, which talks through the
-store; see :mod:`lightning_elastic.core.commit`). Each method runs a local function on every
-rank and never lets one rank's exception desynchronize the others: failures travel with the
-collective and are raised on every rank together (as DCP does), as the failing rank's own
-typed error when there is one kind, or as :class:`DistributedFailure` naming every rank.
+store; see :mod:`lightning_elastic.core.dist.channel`). Each method runs a local function on
+every rank and never lets one rank's exception desynchronize the others: failures travel with
+the collective and are raised on every rank together (as DCP does), as the failing rank's own
+typed error when there is one kind, or as the caller's ``error`` class naming every rank.
 
-A collective that does not complete (a rank died or never arrived) raises
-:class:`CheckpointTimeoutError` naming the ranks that did not arrive, found through arrival
-keys in the store.
+A collective that does not complete because a rank died or never arrived raises the timeout
+class of the operation (:class:`~lightning_elastic.errors.SaveTimeoutError`,
+:class:`~lightning_elastic.errors.LoadTimeoutError`) naming the ranks that did not arrive,
+found through arrival keys in the store. Any other exception inside the collective is reported
+as that rank's own failure.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
 from lightning_elastic.errors import (
-    CheckpointTimeoutError,
     DistributedFailure,
     ElasticCheckpointError,
+    Phase,
     RankFailure,
+    timeout_error_for,
 )
 
 __all__ = ["Coordinator"]
@@ -44,7 +47,7 @@ _STORE_PREFIX = "lightning_elastic"
 class _Failed:
     """A rank's exception in transit (the exception itself when picklable)."""
 
-    def __init__(self, rank: int, phase: str, exc: BaseException) -> None:
+    def __init__(self, rank: int, phase: Phase, exc: BaseException) -> None:
         self.failure = RankFailure.from_exception(rank, phase, exc)
         try:
             self.blob: bytes | None = pickle.dumps(exc)
@@ -72,7 +75,7 @@ class Coordinator:
 
     Build it with :meth:`from_environment` (all ranks, collectively) or
     :meth:`single_process`. ``store`` is a c10d store shared by the group's ranks; it carries
-    arrival keys here and the commit reports in :mod:`~lightning_elastic.core.commit`.
+    arrival keys here and the commit reports in :mod:`~lightning_elastic.core.dist.channel`.
     """
 
     def __init__(
@@ -152,7 +155,7 @@ class Coordinator:
 
     def gather_scatter(
         self,
-        phase: str,
+        phase: Phase,
         local_fn: Callable[[], T],
         global_fn: Callable[[list[T]], Sequence[R]],
         *,
@@ -175,6 +178,7 @@ class Coordinator:
                     dst=self._coordinator_global,
                     group=self.group,
                 ),
+                error=error,
             )
         outputs: list[Any] = []
         if self.is_coordinator:
@@ -197,13 +201,14 @@ class Coordinator:
                     src=self._coordinator_global,
                     group=self.group,
                 ),
+                error=error,
             )
         self._raise_failures(phase, mine[0], what, error)
         return mine[0]  # type: ignore[no-any-return]
 
     def all_gather(
         self,
-        phase: str,
+        phase: Phase,
         local_fn: Callable[[], T],
         *,
         what: str = "checkpoint",
@@ -216,14 +221,17 @@ class Coordinator:
         else:
             gathered = [None] * self.world_size
             self._collective(
-                phase, what, lambda: dist.all_gather_object(gathered, local, group=self.group)
+                phase,
+                what,
+                lambda: dist.all_gather_object(gathered, local, group=self.group),
+                error=error,
             )
         self._raise_failures(phase, [g for g in gathered if isinstance(g, _Failed)], what, error)
         return gathered
 
     def broadcast(
         self,
-        phase: str,
+        phase: Phase,
         fn: Callable[[], T],
         *,
         what: str = "checkpoint",
@@ -238,20 +246,28 @@ class Coordinator:
                 lambda: dist.broadcast_object_list(
                     box, src=self._coordinator_global, group=self.group
                 ),
+                error=error,
             )
         self._raise_failures(phase, box[0], what, error)
         return box[0]  # type: ignore[no-any-return]
 
-    def any(self, flag: bool, phase: str = "agree") -> bool:
-        """True on every rank when ``flag`` is true on at least one rank."""
-        return bool(self.max_ints([1 if flag else 0], phase)[0])
-
-    def all(self, flag: bool, phase: str = "agree") -> bool:
+    def all(
+        self,
+        flag: bool,
+        phase: Phase = Phase.AGREE,
+        *,
+        error: type[DistributedFailure] = DistributedFailure,
+    ) -> bool:
         """True on every rank when ``flag`` is true on all ranks."""
-        return not self.max_ints([0 if flag else 1], phase)[0]
+        return not self.max_ints([0 if flag else 1], phase, error=error)[0]
 
     def max_ints(
-        self, values: Sequence[int], phase: str = "agree", *, track: bool = True
+        self,
+        values: Sequence[int],
+        phase: Phase = Phase.AGREE,
+        *,
+        track: bool = True,
+        error: type[DistributedFailure] = DistributedFailure,
     ) -> list[int]:
         """Element-wise maximum over ranks of small non-negative integers: one tiny
         all-reduce that can carry several decisions (flags, rank 0's choices) at once.
@@ -263,13 +279,14 @@ class Coordinator:
             phase,
             "agreement",
             lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group),
+            error=error,
             track=track,
         )
         return [int(v) for v in tensor.tolist()]
 
     # ------------------------------------------------------------------ internals
 
-    def _run(self, phase: str, fn: Callable[[], T]) -> T | _Failed:
+    def _run(self, phase: Phase, fn: Callable[[], T]) -> T | _Failed:
         try:
             return fn()
         except Exception as exc:
@@ -277,14 +294,19 @@ class Coordinator:
             return _Failed(self.rank, phase, exc)
 
     def _collective(
-        self, phase: str, what: str, op: Callable[[], Any], *, track: bool = True
+        self,
+        phase: Phase,
+        what: str,
+        op: Callable[[], Any],
+        *,
+        error: type[DistributedFailure],
+        track: bool = True,
     ) -> None:
         if not track:
             try:
                 op()
             except Exception as exc:
-                failure = RankFailure.from_exception(self.rank, phase, exc)
-                raise DistributedFailure(what, [failure]) from exc
+                raise self._collective_error(phase, what, exc, error, []) from exc
             return
         self._seq += 1
         arrival = self.key("arrive", self._seq, self.rank)
@@ -297,19 +319,33 @@ class Coordinator:
                 for r in range(self.world_size)
                 if not self.store.check([self.key("arrive", self._seq, r)])
             ]
-            seconds = self.timeout.total_seconds()
-            raise CheckpointTimeoutError(
-                what,
-                phase,
-                missing or [r for r in range(self.world_size) if r != self.rank],
-                seconds,
-                failures=[RankFailure.from_exception(self.rank, phase, exc)] if not missing else [],
-            ) from exc
+            raise self._collective_error(phase, what, exc, error, missing) from exc
         if self._seq > 1:
             self.store.delete_key(self.key("arrive", self._seq - 1, self.rank))
 
+    def _collective_error(
+        self,
+        phase: Phase,
+        what: str,
+        exc: Exception,
+        error: type[DistributedFailure],
+        missing: list[int],
+    ) -> DistributedFailure:
+        """What a failed collective means: ranks that never arrived are the cause (a timeout
+        naming them); a timeout or a connection lost mid-collective blames the other ranks;
+        anything else (an object that does not pickle, ...) is this rank's own failure."""
+        seconds = self.timeout.total_seconds()
+        timeout = timeout_error_for(error)
+        if missing:
+            return timeout(what, phase, missing, seconds)
+        own = RankFailure.from_exception(self.rank, phase, exc)
+        if _lost_peer(exc):
+            others = [r for r in range(self.world_size) if r != self.rank]
+            return timeout(what, phase, others, seconds, failures=[own])
+        return error(what, [own])
+
     def _raise_failures(
-        self, phase: str, value: Any, what: str, error: type[DistributedFailure]
+        self, phase: Phase, value: Any, what: str, error: type[DistributedFailure]
     ) -> None:
         failed: list[_Failed] = []
         if isinstance(value, _Failed):
@@ -331,3 +367,22 @@ class Coordinator:
         if len(failed) == 1 and isinstance(first, DistributedFailure):
             raise first
         raise error(what, [f.failure for f in failed])
+
+
+# Words of gloo/c10d errors that mean the other side stopped answering (torch 2.13 raises
+# these as RuntimeError/DistBackendError, without a dedicated type).
+_LOST_PEER_WORDS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+)
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _LOST_PEER_WORDS)

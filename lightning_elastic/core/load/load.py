@@ -1,11 +1,10 @@
-"""Choosing, verifying and loading a checkpoint, at any world size.
+"""Loading a selected checkpoint, at any world size.
 
-Which rank calls what: every function here is called by all ranks together. Rank 0 lists the
-checkpoints and broadcasts the candidates (so every rank considers the same ones); the files
-of a candidate are verified in parallel (file ``i`` by rank ``i % world_size``) and the
-verdicts all-gathered; a corrupt candidate is quarantined by rank 0 and skipped by all. The
-tensors are then loaded by ``torch.distributed.checkpoint.load`` on the checkpoint group,
-which plans the reads and reshards N -> M.
+Which rank calls what: :func:`load_checkpoint` is called by all ranks together, after
+:func:`~lightning_elastic.core.load.select.select_checkpoint` agreed on the checkpoint. The
+tensors are loaded by ``torch.distributed.checkpoint.load`` on the checkpoint group, which
+plans the reads and reshards N -> M; each rank then reads its own rank-local state without a
+collective. :func:`read_rank_states` and :func:`read_full_state` run in one process.
 """
 
 from __future__ import annotations
@@ -25,21 +24,18 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from lightning_elastic.core.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
-from lightning_elastic.core.coordinator import Coordinator
-from lightning_elastic.core.dcp_format import read_metadata
-from lightning_elastic.core.integrity import Problem, raise_first, verify_files
-from lightning_elastic.core.manifest import DCP_METADATA_FILE, Manifest
-from lightning_elastic.core.shardio import ShardReader
-from lightning_elastic.core.skeleton import Skeleton, build, subtree
-from lightning_elastic.core.storage import Storage
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.format.catalog import CheckpointInfo
+from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
+from lightning_elastic.core.format.manifest import Manifest
+from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
+from lightning_elastic.core.load.reader import ShardReader
+from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
-    CheckpointNotFoundError,
-    CorruptCheckpointWarning,
     ManifestError,
+    Phase,
     RankFailure,
-    UnsupportedFormatError,
 )
 
 __all__ = [
@@ -48,7 +44,6 @@ __all__ = [
     "load_checkpoint",
     "read_full_state",
     "read_rank_states",
-    "select_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,45 +63,6 @@ class LoadResult:
     state: dict[str, Any] | None = None  # the loaded state (the caller's dict, or a new one)
 
 
-def select_checkpoint(
-    storage: Storage, catalog: Catalog, coord: Coordinator, name: str | None, verify: str
-) -> CheckpointInfo | None:
-    """The checkpoint to load, verified with ``verify``.
-
-    With ``name`` that checkpoint or an :class:`IntegrityError`. Without, the newest valid one
-    (walking back past corrupt ones, which are quarantined with a warning), or ``None``.
-    """
-    if name is not None:
-        info = coord.broadcast("load/select", lambda: catalog.info(name), error=CheckpointLoadError)
-        if info.unsupported:
-            raise UnsupportedFormatError(info.problem or info.location)
-        if info.manifest is None or info.status != "valid":
-            raise CheckpointNotFoundError(f"{info.location} is {info.status}: {info.problem}")
-        raise_first(info.location, _verify(storage, coord, info, verify))
-        return info
-    candidates = coord.broadcast(
-        "load/select", lambda: list(reversed(catalog.scan())), error=CheckpointLoadError
-    )
-    for info in candidates:
-        if info.status == INCOMPLETE:
-            log.info("skipping %s: %s", info.location, info.problem)
-            continue
-        if info.unsupported:
-            raise UnsupportedFormatError(info.problem or info.location)
-        if info.status == CORRUPT:
-            if info.quarantine is None:
-                _quarantine(catalog, coord, info, "manifest", info.problem or "unreadable")
-            else:
-                log.info("skipping quarantined %s: %s", info.location, info.problem)
-            continue
-        problems = _verify(storage, coord, info, verify)
-        if not problems:
-            return info
-        first = sorted(problems, key=lambda p: p.file)[0]
-        _quarantine(catalog, coord, info, first.file, first.reason)
-    return None
-
-
 def load_checkpoint(
     storage: Storage,
     coord: Coordinator,
@@ -122,9 +78,7 @@ def load_checkpoint(
     assert info.manifest is not None
     start = time.monotonic()
     ckpt = storage.child(info.name)
-    metadata, skeleton = read_metadata(
-        ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
-    )
+    metadata, skeleton = read_checkpoint_metadata(ckpt)
     reader = ShardReader(ckpt, metadata)
     if state is None:
         state = _template(metadata, skeleton, ()) or {}
@@ -153,9 +107,7 @@ def read_rank_states(storage: Storage, info: CheckpointInfo, key: str) -> dict[i
     """Every saved rank's rank-local entry ``key`` (in this process, no collective): what a
     world-size change needs to redistribute per-rank state such as metric accumulators."""
     ckpt = storage.child(info.name)
-    metadata, skeleton = read_metadata(
-        ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
-    )
+    metadata, skeleton = read_checkpoint_metadata(ckpt)
     reader = ShardReader(ckpt, metadata)
     coord = Coordinator.single_process()
     out: dict[int, Any] = {}
@@ -171,9 +123,7 @@ def read_rank_states(storage: Storage, info: CheckpointInfo, key: str) -> dict[i
 
 def read_full_state(ckpt: Storage, *, include_rank_state: bool = False) -> dict[str, Any]:
     """The whole checkpoint as one nested dict, in this process (for export/consolidation)."""
-    metadata, skeleton = read_metadata(
-        ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE)
-    )
+    metadata, skeleton = read_checkpoint_metadata(ckpt)
     state = _template(metadata, skeleton, ()) or {}
     if not include_rank_state:
         state.pop(RANK_LOCAL_KEY, None)
@@ -236,13 +186,13 @@ def _dcp_load(
             )
     except CheckpointException as exc:
         failures = [
-            RankFailure(rank, "load", type(err).__name__, str(err))
+            RankFailure(rank, Phase.LOAD, type(err).__name__, str(err))
             for rank, err in _failures(exc).items()
         ]
         raise CheckpointLoadError(info.location, failures) from exc
     except Exception as exc:
         raise CheckpointLoadError(
-            info.location, [RankFailure.from_exception(coord.rank, "load", exc)]
+            info.location, [RankFailure.from_exception(coord.rank, Phase.LOAD, exc)]
         ) from exc
 
 
@@ -274,37 +224,3 @@ def _failures(exc: CheckpointException) -> Mapping[int, BaseException]:
     for rank, failure in exc.failures.items():
         out[rank] = failure[0] if isinstance(failure, tuple) else failure
     return out
-
-
-def _verify(storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: str) -> list[Problem]:
-    assert info.manifest is not None
-    manifest = info.manifest
-    ckpt = storage.child(info.name)
-    if mode == "size":
-        return coord.broadcast(
-            "load/verify", lambda: verify_files(ckpt, manifest, mode), error=CheckpointLoadError
-        )
-    share = manifest.files[coord.rank :: coord.world_size]
-    verdicts = coord.all_gather(
-        "load/verify", lambda: verify_files(ckpt, manifest, mode, share), error=CheckpointLoadError
-    )
-    return [problem for verdict in verdicts for problem in verdict]
-
-
-def _quarantine(
-    catalog: Catalog, coord: Coordinator, info: CheckpointInfo, file: str, reason: str
-) -> None:
-    def mark() -> None:
-        try:
-            catalog.quarantine(info.name, file, reason)
-        except Exception as exc:  # read-only storage: skipping it is still right
-            log.warning("could not quarantine %s: %r", info.location, exc)
-
-    if info.quarantine is None:
-        coord.broadcast("load/quarantine", mark, error=CheckpointLoadError)
-    message = (
-        f"skipping corrupt checkpoint {info.location} (step {info.step}): {file}: {reason}; "
-        "it was quarantined and kept for inspection"
-    )
-    log.warning(message)
-    warnings.warn(message, CorruptCheckpointWarning, stacklevel=3)

@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from lightning_elastic.core.catalog import VALID, CheckpointInfo
+from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.errors import ConfigError
 
 __all__ = [

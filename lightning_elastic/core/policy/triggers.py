@@ -16,10 +16,17 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from lightning_elastic.core.coordinator import Coordinator
-from lightning_elastic.errors import ConfigError
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.errors import ConfigError, Phase
 
-__all__ = ["Agreement", "Decision", "EveryInterval", "EveryNEpochs", "EveryNSteps", "SignalFlag"]
+__all__ = [
+    "Agreement",
+    "EveryInterval",
+    "EveryNEpochs",
+    "EveryNSteps",
+    "SignalFlag",
+    "StepDecision",
+]
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class SignalFlag:
 
 
 @dataclass(frozen=True)
-class Decision:
+class StepDecision:
     """What all ranks agreed at one step boundary."""
 
     time_due: bool = False
@@ -119,10 +126,10 @@ class Agreement:
 
     def decide(
         self, *, interval: EveryInterval | None, flag: SignalFlag | None, requested: bool
-    ) -> Decision:
+    ) -> StepDecision:
         time_due = interval is not None and self.coordinator.is_coordinator and interval.due()
         received = flag.received if flag is not None else 0
         signum, due, asked = self.coordinator.max_ints(
-            [received, int(time_due), int(requested)], "save/decide", track=False
+            [received, int(time_due), int(requested)], Phase.SAVE_DECIDE, track=False
         )
-        return Decision(time_due=bool(due), signal=signum, requested=bool(asked))
+        return StepDecision(time_due=bool(due), signal=signum, requested=bool(asked))

@@ -26,20 +26,21 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from lightning_elastic.core.catalog import checkpoint_name
-from lightning_elastic.core.manifest import (
+from lightning_elastic.core.format.catalog import checkpoint_name
+from lightning_elastic.core.format.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
     STAGING_FILE,
     StagingRecord,
 )
-from lightning_elastic.core.skeleton import Skeleton, describe, merge
-from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError
+from lightning_elastic.core.format.skeleton import Skeleton, describe, merge
+from lightning_elastic.core.save.request import PlannedSave
+from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError, Phase
 
-__all__ = ["PlanCache", "PlannedSave", "plan_save"]
+__all__ = ["PlanCache", "plan_save"]
 
-if TYPE_CHECKING:  # the saver imports this module
-    from lightning_elastic.core.saver import SaveContext, SaveRequest
+if TYPE_CHECKING:
+    from lightning_elastic.core.save.request import SaveContext, SaveRequest
 
 
 @dataclass
@@ -52,20 +53,6 @@ class PlanCache:
     final: SavePlan
     metadata: Metadata | None
     merged_skeleton: Skeleton
-
-
-@dataclass
-class PlannedSave:
-    request: SaveRequest
-    name: str
-    save_id: str
-    plan: SavePlan
-    planner: DefaultSavePlanner
-    dcp_metadata: Metadata | None  # rank 0 only
-    skeleton: Skeleton  # rank 0 only: the shape of all ranks' states
-    started: float
-    deadline: float
-    cached: bool = False
 
 
 def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest) -> PlannedSave:
@@ -105,7 +92,9 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
         except Exception as exc:
             name_error = exc
     changed, attempt, save_int = coord.max_ints(
-        [0 if unchanged and name_error is None else 1, attempt, save_int], "save/plan"
+        [0 if unchanged and name_error is None else 1, attempt, save_int],
+        Phase.SAVE_PLAN,
+        error=CheckpointSaveError,
     )
     name, save_id = _name(request, attempt), f"{save_int:016x}"
 
@@ -131,7 +120,7 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
             return plans
 
         final = coord.gather_scatter(
-            "save/plan", local_fn, global_fn, what=what, error=CheckpointSaveError
+            Phase.SAVE_PLAN, local_fn, global_fn, what=what, error=CheckpointSaveError
         )
         metadata, merged = kept.get("metadata"), kept.get("skeleton")
         assert local is not None

@@ -27,13 +27,13 @@ from typing import Any
 
 from torch.distributed.distributed_c10d import Store
 
-from lightning_elastic.errors import CheckpointSaveError, CheckpointTimeoutError, RankFailure
+from lightning_elastic.errors import CheckpointSaveError, Phase, RankFailure, SaveTimeoutError
 
-__all__ = ["CommitChannel", "Decision"]
+__all__ = ["CommitChannel", "CommitDecision"]
 
 
 @dataclass(frozen=True)
-class Decision:
+class CommitDecision:
     """Rank 0's verdict on one save."""
 
     committed: bool
@@ -52,7 +52,7 @@ class Decision:
         )
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> Decision:
+    def from_json(cls, raw: str | bytes) -> CommitDecision:
         data = json.loads(raw)
         return cls(
             committed=bool(data["committed"]),
@@ -63,8 +63,8 @@ class Decision:
 
     def error(self, checkpoint: str) -> CheckpointSaveError:
         if self.missing:
-            return CheckpointTimeoutError(
-                checkpoint, "commit", self.missing, self.timeout_s, self.failures
+            return SaveTimeoutError(
+                checkpoint, Phase.COMMIT, self.missing, self.timeout_s, self.failures
             )
         return CheckpointSaveError(checkpoint, self.failures)
 
@@ -98,7 +98,7 @@ class CommitChannel:
         self.store.set(self._key(save_id, "report", self.rank), json.dumps(report))
 
     def collect(self, save_id: str, deadline: float, checkpoint: str) -> dict[int, dict[str, Any]]:
-        """Rank 0: every rank's report, or :class:`CheckpointTimeoutError` naming the missing."""
+        """Rank 0: every rank's report, or :class:`SaveTimeoutError` naming the missing."""
         keys = [self._key(save_id, "report", r) for r in range(self.world_size)]
         self._wait(keys, deadline, save_id, checkpoint)
         raw = self.store.multi_get(keys)
@@ -117,7 +117,7 @@ class CommitChannel:
         if self.store.check(keys):
             return
         missing = self.missing_reports(save_id) or [0]
-        raise CheckpointTimeoutError(checkpoint, "commit", missing, self.timeout_s)
+        raise SaveTimeoutError(checkpoint, Phase.COMMIT, missing, self.timeout_s)
 
     def missing_reports(self, save_id: str) -> list[int]:
         return [
@@ -126,15 +126,15 @@ class CommitChannel:
             if not self.store.check([self._key(save_id, "report", r)])
         ]
 
-    def publish(self, save_id: str, decision: Decision) -> None:
+    def publish(self, save_id: str, decision: CommitDecision) -> None:
         self.store.set(self._key(save_id, "decision"), decision.to_json())
 
-    def await_decision(self, save_id: str, deadline: float, checkpoint: str) -> Decision:
+    def await_decision(self, save_id: str, deadline: float, checkpoint: str) -> CommitDecision:
         """Ranks != 0: rank 0's decision, or a timeout naming the ranks that never reported
         (rank 0 included when it is the one that went silent)."""
         key = self._key(save_id, "decision")
         self._wait([key], deadline, save_id, checkpoint)
-        return Decision.from_json(self.store.get(key))
+        return CommitDecision.from_json(self.store.get(key))
 
     def ack(self, save_id: str) -> None:
         """Called by every rank once it is done with ``save_id``; the last one cleans up."""

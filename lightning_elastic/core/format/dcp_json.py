@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_elastic.core.skeleton import Skeleton
+from lightning_elastic.core.format.skeleton import Skeleton
+from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ManifestError
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "dtype_name",
     "metadata_from_json",
     "metadata_to_json",
+    "read_checkpoint_metadata",
     "read_metadata",
 ]
 
@@ -102,7 +104,15 @@ def metadata_to_json(metadata: Metadata, skeleton: Skeleton = None) -> str:
 
 
 def metadata_from_json(text: str | bytes, where: str) -> Metadata:
+    """The DCP ``Metadata`` alone (see :func:`read_metadata`)."""
     return read_metadata(text, where)[0]
+
+
+def read_checkpoint_metadata(ckpt: Storage) -> tuple[Metadata, Skeleton]:
+    """``dcp_metadata.json`` of the checkpoint directory ``ckpt``, parsed."""
+    from lightning_elastic.core.format.manifest import DCP_METADATA_FILE
+
+    return read_metadata(ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE))
 
 
 def read_metadata(text: str | bytes, where: str) -> tuple[Metadata, Skeleton]:

@@ -2,7 +2,7 @@
 
 After DCP's global plan has deduplicated replicated tensors, each rank holds only the write
 items it owns. :func:`stage_payload` copies exactly those bytes into a host
-:class:`StagingArena` that is reused from save to save: a copy into an already touched buffer
+:class:`HostArena` that is reused from save to save: a copy into an already touched buffer
 is ~8x faster here than into freshly allocated memory, and peak memory stays at the bytes the
 rank writes. :func:`direct_payload` is the synchronous variant that writes straight from the
 live tensors without any copy.
@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 
 __all__ = [
     "ALIGNMENT",
+    "HostArena",
     "Payload",
     "PayloadItem",
-    "StagingArena",
     "byte_view",
     "direct_payload",
     "stage_payload",
@@ -78,7 +78,7 @@ class Payload:
             position = item.offset + item.length
 
 
-class StagingArena:
+class HostArena:
     """A host buffer reused across saves; it only grows (``allocations`` counts the growths)."""
 
     def __init__(self, *, pin_memory: bool = False, headroom: float = 0.05) -> None:
@@ -155,7 +155,7 @@ def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
     return offsets, position
 
 
-def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: StagingArena) -> Payload:
+def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostArena) -> Payload:
     """Copy this rank's items into ``arena``; the result no longer aliases live tensors."""
     objects = {i: _object_bytes(planner, it) for i, it in enumerate(items) if _is_object(it)}
     lengths = [objects[i].nbytes if i in objects else _nbytes(it) for i, it in enumerate(items)]

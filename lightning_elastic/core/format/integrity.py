@@ -3,7 +3,7 @@
 Modes: ``"full"`` re-reads every file and compares size and checksum; ``"size"`` checks that
 every file is present with the recorded size (one listing); ``"none"`` trusts the manifest.
 The functions here are pure over a :class:`Storage`; spreading files over ranks and
-quarantining is the caller's business (see :mod:`~lightning_elastic.core.loader`).
+quarantining is the caller's business (see :mod:`~lightning_elastic.core.load.load`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_elastic.core.manifest import FileRecord, Manifest
-from lightning_elastic.core.storage import Storage
+from lightning_elastic.core.format.manifest import FileRecord, Manifest
+from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ConfigError, IntegrityError, StorageNotFoundError
 
 __all__ = ["VERIFY_MODES", "Problem", "check_verify_mode", "raise_first", "verify_files"]

@@ -3,7 +3,7 @@
 Status words (also printed by the CLI):
 
 * ``valid``: a complete, parseable manifest and no quarantine record (checksums are checked
-  separately by :mod:`~lightning_elastic.core.integrity`);
+  separately by :mod:`~lightning_elastic.core.format.integrity`);
 * ``corrupt``: the manifest is unparseable or inconsistent, or the checkpoint was quarantined
   after a failed verification; it is never selected and never deleted automatically;
 * ``incomplete``: no manifest (a save in flight, or one that crashed): not a checkpoint for
@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from lightning_elastic.core.manifest import (
+from lightning_elastic.core.format.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
     STAGING_FILE,
@@ -25,7 +25,7 @@ from lightning_elastic.core.manifest import (
     QuarantineRecord,
     StagingRecord,
 )
-from lightning_elastic.core.storage import Entry, Storage
+from lightning_elastic.core.storage.base import Entry, Storage
 from lightning_elastic.errors import (
     CheckpointNotFoundError,
     ManifestError,

@@ -2,7 +2,7 @@
 
 A :class:`Storage` is rooted at a directory; every method takes a path relative to it
 (``"step_000000100/manifest.json"``). Every operation retries transient errors within a
-:class:`~lightning_elastic.core.retry.RetryPolicy` and raises a typed
+:class:`~lightning_elastic.core.storage.retry.RetryPolicy` and raises a typed
 :class:`~lightning_elastic.errors.StorageError` naming the operation and the path otherwise.
 
 Local disks get a fast path: unbuffered ``os.write`` (releases the GIL), ``fsync`` of the file
@@ -26,8 +26,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_elastic.core.checksum import Hasher, new_hasher
-from lightning_elastic.core.retry import RetryPolicy, retry_call
+from lightning_elastic.core.storage.checksum import Hasher, new_hasher
+from lightning_elastic.core.storage.retry import RetryPolicy, retry_call
 from lightning_elastic.errors import CheckpointExistsError, StorageError
 
 __all__ = ["Entry", "Storage", "Written"]

@@ -1,0 +1,1 @@
+"""What elastic resumes need beyond tensors: the data position of an epoch and RNG streams."""

@@ -1,0 +1,105 @@
+"""Choosing the checkpoint to load, verifying it, and quarantining corrupt ones.
+
+Which rank calls what: every function here is called by all ranks together. Rank 0 lists the
+checkpoints and broadcasts the candidates (so every rank considers the same ones); the files
+of a candidate are verified in parallel (file ``i`` by rank ``i % world_size``) and the
+verdicts all-gathered; a corrupt candidate is quarantined by rank 0 and skipped by all.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
+from lightning_elastic.core.format.integrity import Problem, raise_first, verify_files
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CorruptCheckpointWarning,
+    Phase,
+    UnsupportedFormatError,
+)
+
+__all__ = ["select_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+def select_checkpoint(
+    storage: Storage, catalog: Catalog, coord: Coordinator, name: str | None, verify: str
+) -> CheckpointInfo | None:
+    """The checkpoint to load, verified with ``verify``.
+
+    With ``name`` that checkpoint or an :class:`IntegrityError`. Without, the newest valid one
+    (walking back past corrupt ones, which are quarantined with a warning), or ``None``.
+    """
+    if name is not None:
+        info = coord.broadcast(
+            Phase.LOAD_SELECT, lambda: catalog.info(name), error=CheckpointLoadError
+        )
+        if info.unsupported:
+            raise UnsupportedFormatError(info.problem or info.location)
+        if info.manifest is None or info.status != "valid":
+            raise CheckpointNotFoundError(f"{info.location} is {info.status}: {info.problem}")
+        raise_first(info.location, _verify(storage, coord, info, verify))
+        return info
+    candidates = coord.broadcast(
+        Phase.LOAD_SELECT, lambda: list(reversed(catalog.scan())), error=CheckpointLoadError
+    )
+    for info in candidates:
+        if info.status == INCOMPLETE:
+            log.info("skipping %s: %s", info.location, info.problem)
+            continue
+        if info.unsupported:
+            raise UnsupportedFormatError(info.problem or info.location)
+        if info.status == CORRUPT:
+            if info.quarantine is None:
+                _quarantine(catalog, coord, info, "manifest", info.problem or "unreadable")
+            else:
+                log.info("skipping quarantined %s: %s", info.location, info.problem)
+            continue
+        problems = _verify(storage, coord, info, verify)
+        if not problems:
+            return info
+        first = sorted(problems, key=lambda p: p.file)[0]
+        _quarantine(catalog, coord, info, first.file, first.reason)
+    return None
+
+
+def _verify(storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: str) -> list[Problem]:
+    assert info.manifest is not None
+    manifest = info.manifest
+    ckpt = storage.child(info.name)
+    if mode == "size":
+        return coord.broadcast(
+            Phase.LOAD_VERIFY, lambda: verify_files(ckpt, manifest, mode), error=CheckpointLoadError
+        )
+    share = manifest.files[coord.rank :: coord.world_size]
+    verdicts = coord.all_gather(
+        Phase.LOAD_VERIFY,
+        lambda: verify_files(ckpt, manifest, mode, share),
+        error=CheckpointLoadError,
+    )
+    return [problem for verdict in verdicts for problem in verdict]
+
+
+def _quarantine(
+    catalog: Catalog, coord: Coordinator, info: CheckpointInfo, file: str, reason: str
+) -> None:
+    def mark() -> None:
+        try:
+            catalog.quarantine(info.name, file, reason)
+        except Exception as exc:  # read-only storage: skipping it is still right
+            log.warning("could not quarantine %s: %r", info.location, exc)
+
+    if info.quarantine is None:
+        coord.broadcast(Phase.LOAD_QUARANTINE, mark, error=CheckpointLoadError)
+    message = (
+        f"skipping corrupt checkpoint {info.location} (step {info.step}): {file}: {reason}; "
+        "it was quarantined and kept for inspection"
+    )
+    log.warning(message)
+    warnings.warn(message, CorruptCheckpointWarning, stacklevel=3)
