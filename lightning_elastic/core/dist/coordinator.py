@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
+from lightning_elastic.core._compat import process_group_store
 from lightning_elastic.errors import (
     DistributedFailure,
     ElasticCheckpointError,
@@ -65,9 +66,7 @@ class _Failed:
 
 
 def _hash_store() -> Store:
-    from torch._C._distributed_c10d import HashStore
-
-    return HashStore()
+    return dist.HashStore()
 
 
 class Coordinator:
@@ -126,7 +125,7 @@ class Coordinator:
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
             group=group,
-            store=dist.distributed_c10d._get_process_group_store(group),
+            store=process_group_store(group),
             timeout=timeout,
             namespace=f"{_STORE_PREFIX}/{box[0]}",
         )

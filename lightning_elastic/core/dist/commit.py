@@ -1,0 +1,143 @@
+"""Rank 0's half of the two-phase commit: collect every rank's report, write the DCP metadata
+and then the manifest (exclusive create: its appearance is the commit), publish the decision.
+
+Which rank calls what: only the coordinator (rank 0), from its background writer after its own
+shard is written (:func:`lightning_elastic.core.save.pipeline.finish_save`); the other ranks
+wait for the published decision through the
+:class:`~lightning_elastic.core.dist.channel.CommitChannel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import logging
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from lightning_elastic.core.dist.channel import CommitDecision
+from lightning_elastic.core.format.dcp_json import ItemLocation, metadata_to_json
+from lightning_elastic.core.format.manifest import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    FileRecord,
+    Manifest,
+    RankRecord,
+    Timings,
+    shard_file_name,
+)
+from lightning_elastic.core.policy.housekeeping import discard_uncommitted
+from lightning_elastic.core.save.request import PlannedSave, SaveContext
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.errors import CheckpointTimeoutError, Phase, RankFailure
+
+__all__ = ["commit_as_coordinator", "library_versions"]
+
+log = logging.getLogger(__name__)
+
+
+def commit_as_coordinator(
+    ctx: SaveContext, planned: PlannedSave, ckpt: Storage
+) -> tuple[CommitDecision, Manifest | None]:
+    """Rank 0: collect every report and commit if all are good; publish the decision."""
+    what = ctx.storage.display(planned.name)
+    manifest = None
+    try:
+        reports = ctx.channel.collect(planned.save_id, planned.deadline, what)
+        failures = [RankFailure.from_json(r["failure"]) for r in reports.values() if not r["ok"]]
+        if failures:
+            decision = CommitDecision(False, tuple(failures))
+        else:
+            manifest = _write_commit(ctx, planned, ckpt, reports)
+            decision = CommitDecision(True)
+    except CheckpointTimeoutError as exc:
+        decision = CommitDecision(False, (), tuple(exc.missing_ranks), ctx.timeout_s)
+    except Exception as exc:
+        log.error("rank 0 failed to commit %s", what, exc_info=True)
+        decision = CommitDecision(False, (RankFailure.from_exception(0, Phase.COMMIT, exc),))
+    ctx.channel.publish(planned.save_id, decision)
+    if not decision.committed:
+        # With every rank reported nobody writes any more: remove it all (frees space on
+        # ENOSPC). With ranks missing, keep the staging record so a later save can attribute
+        # and remove whatever the stragglers still write.
+        discard_uncommitted(ctx.storage, planned.name, keep_record=bool(decision.missing))
+    return decision, manifest
+
+
+def _write_commit(
+    ctx: SaveContext, planned: PlannedSave, ckpt: Storage, reports: Mapping[int, Any]
+) -> Manifest:
+    commit_start = time.monotonic()
+    storage_data: dict[MetadataIndex, ItemLocation] = {}
+    files, ranks = [], []
+    for rank in sorted(reports):
+        report = reports[rank]
+        ranks.append(RankRecord(**report["rank"]))
+        if report["file"] is not None:
+            size, checksum = report["file"]
+            files.append(FileRecord(shard_file_name(planned.save_id, rank), size, checksum, rank))
+        for encoded in report["results"]:
+            index, location = decode_result(encoded)
+            storage_data[index] = location
+    assert planned.dcp_metadata is not None
+    metadata = dataclasses.replace(planned.dcp_metadata, storage_data=storage_data, version="1.0.0")
+    body = metadata_to_json(metadata, planned.skeleton).encode()
+    written = ckpt.write_stream(DCP_METADATA_FILE, lambda: (body,), checksum=ctx.checksum)
+    assert written.checksum is not None
+    files.append(FileRecord(DCP_METADATA_FILE, written.size, written.checksum, None))
+    request = planned.request
+    now = time.monotonic()
+    manifest = Manifest(
+        run_id=ctx.run_id,
+        save_id=planned.save_id,
+        name=planned.name.rsplit("/", 1)[-1],
+        step=request.step,
+        epoch=request.epoch,
+        created_unix=time.time(),
+        world_size=ctx.coordinator.world_size,
+        ranks=tuple(ranks),
+        files=tuple(files),
+        checksum_algorithm=ctx.checksum,
+        timings=Timings(
+            staging_s=max(r.staging_s for r in ranks),
+            writing_s=max(r.writing_s for r in ranks),
+            commit_s=now - commit_start,
+            total_s=now - planned.started,
+        ),
+        versions=library_versions(),
+        compression=ctx.compression,
+        metrics=dict(request.metrics),
+        metadata=dict(request.metadata),
+        resumed_from=ctx.resumed_from,
+    )
+    ckpt.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), exclusive=True)
+    return manifest
+
+
+def encode_result(result: Any) -> list[Any]:
+    """A DCP ``WriteResult`` as a JSON list (for the rank's report through the store)."""
+    index, loc = result.index, result.storage_data
+    assert isinstance(loc, ItemLocation)
+    offset = None if index.offset is None else list(index.offset)
+    return [index.fqn, offset, index.index, loc.file, loc.offset, loc.length, list(loc.transforms)]
+
+
+def decode_result(encoded: Sequence[Any]) -> tuple[MetadataIndex, ItemLocation]:
+    """The inverse of :func:`encode_result`."""
+    fqn, offset, hint, file, pos, length, transforms = encoded
+    return MetadataIndex(fqn, offset, hint), ItemLocation(file, pos, length, tuple(transforms))
+
+
+def library_versions() -> dict[str, str]:
+    """Versions recorded in every manifest."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist_name in ("lightning", "lightning_elastic", "torchmetrics", "fsspec"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist_name] = importlib.metadata.version(dist_name)
+    return versions
