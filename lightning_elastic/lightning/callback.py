@@ -180,6 +180,8 @@ class DistributedCheckpoint(Checkpoint):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         session = ElasticSession.of(trainer, self.timeout)
         session.timeout = self.timeout
+        if self.storage_options:
+            session.storage_options = self.storage_options
         self._session = session
         self._engine = session.engine(
             self.dirpath,

@@ -29,6 +29,7 @@ from torch.utils.data import (
 
 from lightning_elastic.core.elastic.data_position import DataPosition, epoch_order, rank_indices
 from lightning_elastic.errors import ConfigError, WorldSizeError
+from lightning_elastic.lightning._compat import reinstantiate_dataloader
 
 __all__ = ["ElasticSampler", "make_elastic"]
 
@@ -191,14 +192,8 @@ def make_elastic(
 def _rebuild(dataloader: DataLoader[Any], sampler: ElasticSampler, batch_size: int | None) -> Any:
     """Re-instantiate ``dataloader`` (its own class and arguments) with ``sampler`` and,
     when given, a new per-rank ``batch_size`` (Lightning's sampler-injection machinery)."""
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)
-    if batch_size is not None:
-        if "batch_size" in kwargs:
-            kwargs["batch_size"] = batch_size
-        else:
-            raise ConfigError("cannot change the batch size of this DataLoader subclass")
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    overrides = {} if batch_size is None else {"batch_size": batch_size}
+    try:
+        return reinstantiate_dataloader(dataloader, sampler, **overrides)
+    except KeyError:
+        raise ConfigError("cannot change the batch size of this DataLoader subclass") from None

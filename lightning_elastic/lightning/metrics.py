@@ -16,6 +16,12 @@ from typing import Any
 
 import torch
 
+from lightning_elastic.lightning._compat import (
+    metric_reductions,
+    metric_update_count,
+    set_metric_update_count,
+)
+
 __all__ = ["fold_metric_states", "metric_states", "reset_metrics", "restore_metric_states"]
 
 log = logging.getLogger(__name__)
@@ -34,7 +40,7 @@ def metric_states(module: torch.nn.Module) -> dict[str, Any]:
     return {
         name: {
             "state": {k: _detach(v) for k, v in metric.metric_state.items()},
-            "update_count": metric._update_count,
+            "update_count": metric_update_count(metric),
         }
         for name, metric in _metrics(module).items()
     }
@@ -46,8 +52,7 @@ def restore_metric_states(module: torch.nn.Module, states: Mapping[str, Any]) ->
             saved = states[name]
             for attr, value in saved["state"].items():
                 setattr(metric, attr, _to_device(value, metric.device))
-            metric._update_count = int(saved["update_count"])
-            metric._computed = None
+            set_metric_update_count(metric, int(saved["update_count"]))
 
 
 def reset_metrics(module: torch.nn.Module) -> None:
@@ -72,7 +77,7 @@ def fold_metric_states(
         if not entries:
             continue
         merged: dict[str, Any] = {}
-        for attr, reduce in metric._reductions.items():
+        for attr, reduce in metric_reductions(metric).items():
             values = [entry["state"][attr] for entry in entries]
             if reduce is dim_zero_sum:
                 merged[attr] = torch.stack([torch.as_tensor(v) for v in values]).sum(dim=0)

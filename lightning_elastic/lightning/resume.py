@@ -1,7 +1,8 @@
 """Hooking our checkpoints into Lightning's restore path, for any supported strategy.
 
-Lightning restores from ``trainer._checkpoint_connector.resume_start(path)``, called on every
-rank before the strategy sets up. We wrap that one method for the duration of a run:
+Lightning restores from its checkpoint connector's ``resume_start(path)``, called on every
+rank before the strategy sets up. We wrap that one method for the duration of a run (through
+:mod:`lightning_elastic.lightning._compat`):
 
 * ``path`` is one of our checkpoint directories: load it through the engine (verified,
   resharded) instead of ``torch.load``;
@@ -18,12 +19,16 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.catalog import split_location
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.lightning._compat import (
+    install_on_connector,
+    set_loaded_checkpoint,
+    uninstall_from_connector,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,11 +42,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_ORIGINAL = "_lightning_elastic_original_resume_start"
 _ORIGINAL_PROCESS = "_lightning_elastic_original_process_dataloader"
 
 
 def is_elastic_checkpoint(path: Any, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` is one of our checkpoint directories (holds a manifest); opened with
+    the run's ``storage_options`` (credentials, endpoint), like every other access."""
     if path is None:
         return False
     try:
@@ -58,30 +64,27 @@ def install_resume_hook(
     auto: bool,
     verify: str,
 ) -> None:
-    connector = trainer._checkpoint_connector
     uninstall_resume_hook(trainer)
-    original = connector.resume_start
+    original: Any = None
 
     def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
         if checkpoint_path is None and auto and engine is not None:
             checkpoint = session.load(engine, name=None, verify=verify)
             if checkpoint is None:
                 rank_zero_info(f"no valid checkpoint in {engine.storage.display()}: starting fresh")
-                return original(checkpoint_path, weights_only=weights_only)
-        elif is_elastic_checkpoint(checkpoint_path):
+                return original(checkpoint_path, weights_only=weights_only)  # type: ignore[no-any-return]
+        elif is_elastic_checkpoint(checkpoint_path, session.storage_options):
             root, name = split_location(checkpoint_path)
             checkpoint = session.load(session.engine(root), name=name, verify=verify)
         else:
-            return original(checkpoint_path, weights_only=weights_only)
+            return original(checkpoint_path, weights_only=weights_only)  # type: ignore[no-any-return]
         assert checkpoint is not None and session.resumed is not None
         location = session.resumed.info.location
         rank_zero_info(f"Restoring states from the checkpoint at {location}")
-        connector._ckpt_path = location
-        connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, location)
+        set_loaded_checkpoint(trainer, checkpoint, location)
         return None
 
-    setattr(connector, _ORIGINAL, original)
-    connector.resume_start = resume_start  # type: ignore[method-assign]
+    original = install_on_connector(trainer, "resume_start", resume_start)
 
 
 def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> None:
@@ -106,7 +109,4 @@ def uninstall_dataloader_hook(trainer: pl.Trainer) -> None:
 
 
 def uninstall_resume_hook(trainer: pl.Trainer) -> None:
-    connector = trainer._checkpoint_connector
-    original = connector.__dict__.pop(_ORIGINAL, None)
-    if original is not None:
-        connector.__dict__.pop("resume_start", None)
+    uninstall_from_connector(trainer, "resume_start")

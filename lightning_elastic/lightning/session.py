@@ -28,6 +28,7 @@ from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.load.load import LoadResult, read_rank_states
 from lightning_elastic.errors import CheckpointNotFoundError
+from lightning_elastic.lightning._compat import dump_checkpoint
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,
     metric_states,
@@ -60,6 +61,11 @@ class ElasticSession:
         self.pending_rank_state: dict[str, Any] | None = None
         self.resumed: LoadResult | None = None
         self._config: str | bool | None = False  # False: not looked up yet
+        # fsspec options of every checkpoint location this trainer opens (the strategy's,
+        # overridden by the callback's): never open a checkpoint without the credentials
+        self.storage_options: dict[str, Any] = dict(
+            getattr(trainer.strategy, "storage_options", None) or {}
+        )
         self.global_batch_size: int | None = None  # set by ElasticStrategy
 
     @classmethod
@@ -79,8 +85,10 @@ class ElasticSession:
         return self.coordinator
 
     def engine(self, root: str, **options: Any) -> CheckpointEngine:
-        """The engine for ``root`` (created collectively on first use, then reused)."""
+        """The engine for ``root`` (created collectively on first use, then reused), with
+        the session's storage options unless ``storage_options`` is given."""
         key = str(root)
+        options.setdefault("storage_options", self.storage_options)
         if key not in self.engines:
             self.engines[key] = CheckpointEngine(
                 root, coordinator=self.ensure_coordinator(), timeout=self.timeout, **options
@@ -117,7 +125,7 @@ class ElasticSession:
         """Save the trainer's full state (every rank calls this together)."""
         trainer = self.trainer
         if checkpoint is None:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = dump_checkpoint(trainer)
         position = self.data_position()
         world = self.ensure_coordinator().world_size
         state = dict(checkpoint)

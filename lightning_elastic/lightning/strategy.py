@@ -26,9 +26,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.io import CheckpointIO
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
@@ -39,6 +37,7 @@ from lightning_elastic.core.format.catalog import split_location
 from lightning_elastic.core.format.integrity import VERIFY_MODES
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
+from lightning_elastic.lightning._compat import optimizer_to_device, trainer_of, unwrap_optimizer
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
 from lightning_elastic.lightning.session import ElasticSession
 
@@ -70,6 +69,9 @@ class ElasticStrategy(DDPStrategy):
             share of the parameters only; checkpoints reshard to any world size.
         global_batch_size: keep this many samples per optimizer step whatever the world size:
             each rank's dataloader batch becomes ``global_batch_size / world_size``.
+        storage_options: fsspec options (credentials, ``endpoint_url``, ...) for checkpoint
+            paths given to ``fit(ckpt_path=...)``/``save_checkpoint`` (a
+            ``DistributedCheckpoint``'s own ``storage_options`` take precedence).
     """
 
     strategy_name = "elastic"
@@ -92,6 +94,7 @@ class ElasticStrategy(DDPStrategy):
         verify: str = "full",
         shard_optimizer_state: bool = False,
         global_batch_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if global_batch_size is not None and global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -118,6 +121,7 @@ class ElasticStrategy(DDPStrategy):
         self.verify = verify
         self.shard_optimizer_state = shard_optimizer_state
         self.global_batch_size = global_batch_size
+        self.storage_options = dict(storage_options or {})
 
     # ------------------------------------------------------------------ torchrun topology
 
@@ -164,7 +168,7 @@ class ElasticStrategy(DDPStrategy):
                 zero.repoint_scheduler(config.scheduler, sharded[id(original)])
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inner = unwrap_optimizer(optimizer)
         if isinstance(inner, ZeroRedundancyOptimizer):
             return zero.optimizer_state(inner, self._param_names())
         return super().optimizer_state(optimizer)
@@ -172,9 +176,9 @@ class ElasticStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         names = self._param_names()
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            inner = unwrap_optimizer(optimizer)
             zero.load_optimizer(inner, saved, names)
-            _optimizer_to_device(inner, self.root_device)
+            optimizer_to_device(inner, self.root_device)
 
     def _param_names(self) -> dict[torch.Tensor, str]:
         assert self.lightning_module is not None
@@ -198,8 +202,8 @@ class ElasticStrategy(DDPStrategy):
         trainer = self._trainer()
         root, name = split_location(filepath)
         session = self._session(trainer)
-        options = dict(storage_options or {}) if isinstance(storage_options, dict) else {}
-        engine = session.engine(root, storage_options=options)
+        options = dict(storage_options) if isinstance(storage_options, dict) else {}
+        engine = session.engine(root, storage_options=options or session.storage_options)
         handle = session.save(
             engine,
             reason="save_checkpoint",
@@ -214,17 +218,18 @@ class ElasticStrategy(DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if not is_elastic_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         trainer = self._trainer()
-        root, name = split_location(checkpoint_path)
         session = self._session(trainer)
+        if not is_elastic_checkpoint(checkpoint_path, session.storage_options):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        root, name = split_location(checkpoint_path)
         checkpoint = session.load(session.engine(root), name=name, verify=self.verify)
         assert checkpoint is not None
         return checkpoint
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if not is_elastic_checkpoint(filepath):
+        options = self._session(self._trainer()).storage_options
+        if not is_elastic_checkpoint(filepath, options):
             super().remove_checkpoint(filepath)
             return
         if self.is_global_zero:
@@ -233,7 +238,7 @@ class ElasticStrategy(DDPStrategy):
             from lightning_elastic.core.storage.base import Storage
 
             root, name = split_location(filepath)
-            storage = Storage(root)
+            storage = Storage(root, storage_options=options)
             delete_checkpoint(storage, Catalog(storage), name)
 
     # ------------------------------------------------------------------ hooks
@@ -255,7 +260,7 @@ class ElasticStrategy(DDPStrategy):
     # ------------------------------------------------------------------ helpers
 
     def _trainer(self) -> Any:
-        if self.lightning_module is None or self.lightning_module._trainer is None:
+        if self.lightning_module is None or trainer_of(self.lightning_module) is None:
             raise ConfigError("ElasticStrategy checkpoints need a Trainer that is set up")
         return self.lightning_module.trainer
 

@@ -22,6 +22,8 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_elastic.lightning._compat import track_scheduler_steps
+
 __all__ = ["load_optimizer", "optimizer_state", "repoint_scheduler", "shard"]
 
 
@@ -39,16 +41,7 @@ def repoint_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
     the step tracking torch's schedulers install (so they do not warn that the optimizer
     never stepped)."""
     scheduler.optimizer = optimizer
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
+    track_scheduler_steps(optimizer)
 
 
 def optimizer_state(optimizer: Optimizer, names: Mapping[torch.Tensor, str]) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class _Failed:
 
 
 def _hash_store() -> Store:
-    return dist.HashStore()
+    return dist.HashStore()  # type: ignore[attr-defined]  # public, not re-exported in stubs
 
 
 class Coordinator:

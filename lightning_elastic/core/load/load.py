@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from lightning_elastic.core._compat import load_planner_mappings
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import CheckpointInfo
 from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
@@ -144,8 +145,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         if not self.flatten_state_dict:
             super().load_bytes(read_item, value)
             return
-        path = self.mappings[read_item.dest_index.fqn]
-        _assign(self.original_state_dict, path, torch.load(value, weights_only=False))
+        mappings, original = load_planner_mappings(self)
+        _assign(original, mappings[read_item.dest_index.fqn], torch.load(value, weights_only=False))
 
 
 def _assign(root: Any, path: Sequence[str | int], value: Any) -> None:

@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from lightning_elastic.core._compat import dcp_extension_registry
 from lightning_elastic.core.format.dcp_json import ItemLocation
 from lightning_elastic.core.save.stage import byte_view
 from lightning_elastic.core.storage.base import Storage
@@ -47,7 +46,7 @@ class ShardReader(StorageReader):
                 for chunk in md.chunks:
                     key = (fqn, tuple(chunk.offsets))
                     self._chunks[key] = (md.properties.dtype, chunk.sizes)
-        self._registry = ExtensionRegistry()
+        self._registry = dcp_extension_registry()
 
     # DCP protocol --------------------------------------------------------------------
 
@@ -105,7 +104,7 @@ class ShardReader(StorageReader):
             return raw
         stream: Any = io.BytesIO(raw)
         for ext in self._registry.from_descriptor_list(list(location.transforms)):
-            stream = ext.transform_from(stream)  # type: ignore[attr-defined]
+            stream = ext.transform_from(stream)
         return cast(bytes, stream.read())
 
     def _read_tensor(self, location: ItemLocation, req: ReadItem, planner: LoadPlanner) -> None:
@@ -145,9 +144,7 @@ class ShardReader(StorageReader):
                 chunk = torch.empty(sizes, dtype=dtype)
             else:
                 chunk = torch.frombuffer(data, dtype=dtype).view(sizes)
-            _copy_checked(
-                req, target, narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
-            )
+            _copy_checked(req, target, _narrow(chunk, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
 
 
@@ -173,3 +170,11 @@ def _copy_checked(req: ReadItem, target: torch.Tensor, source: torch.Tensor) -> 
             f"the destination {tuple(target.size())}"
         )
     target.copy_(source)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The region ``offsets``/``lengths`` of ``tensor`` (a view)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor

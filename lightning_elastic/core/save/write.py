@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.storage import WriteResult
 
+from lightning_elastic.core._compat import dcp_zstd_available
 from lightning_elastic.core.format.dcp_json import ItemLocation
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage, Written
@@ -34,7 +34,7 @@ class ShardWrite:
 def check_compression(compression: str | None) -> None:
     if compression not in COMPRESSIONS:
         raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    if compression == "zstd" and not ZStandard.is_available():
+    if compression == "zstd" and not dcp_zstd_available():
         raise ConfigError(
             "compression='zstd' needs the zstandard package: pip install 'lightning_elastic[zstd]'"
         )

@@ -1,0 +1,76 @@
+"""Every private torch API the core relies on, each behind one named function.
+
+After a torch upgrade, run ``tests/unit/test_compat.py``: it calls :func:`missing` and names
+anything that moved. Tested with torch 2.6 - 2.13.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "REQUIREMENTS",
+    "dcp_extension_registry",
+    "dcp_zstd_available",
+    "load_planner_mappings",
+    "missing",
+    "process_group_store",
+    "unmet",
+]
+
+# (module, attribute path): what each function below reaches into.
+REQUIREMENTS: tuple[tuple[str, str], ...] = (
+    # the c10d store behind a process group: our commit channel and arrival keys live there
+    ("torch.distributed.distributed_c10d", "_get_process_group_store"),
+    # DCP's stream extensions (zstd frames in shard files, ``stream.zstd/1`` descriptors)
+    ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
+    ("torch.distributed.checkpoint._extension", "ZStandard.is_available"),
+    # DefaultLoadPlanner keeps the flattening map and the caller's dict as attributes
+    ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner"),
+)
+
+
+def process_group_store(group: Any) -> Any:
+    """The c10d ``Store`` of ``group`` (torch has no public accessor)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_process_group_store(group)
+
+
+def dcp_extension_registry() -> Any:
+    """DCP's registry of stream extensions, which decodes ``stream.zstd/1`` items."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    return ExtensionRegistry()
+
+
+def dcp_zstd_available() -> bool:
+    """Whether DCP's zstd stream extension can run (the ``zstandard`` package is present)."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    return bool(ZStandard.is_available())
+
+
+def load_planner_mappings(planner: Any) -> tuple[dict[str, Any], Any]:
+    """``(flattened name -> original path, the caller's state dict)`` of a set-up
+    ``DefaultLoadPlanner`` (its ``mappings`` and ``original_state_dict`` attributes)."""
+    return planner.mappings, planner.original_state_dict
+
+
+def missing() -> list[str]:
+    """The requirements of this module this installation no longer meets."""
+    return unmet(REQUIREMENTS)
+
+
+def unmet(requirements: tuple[tuple[str, str], ...]) -> list[str]:
+    """The ``(module, attribute path)`` pairs that do not resolve, as ``module:attribute``."""
+    gone = []
+    for module_name, attribute in requirements:
+        try:
+            node: Any = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                node = getattr(node, part)
+        except (ImportError, AttributeError):
+            gone.append(f"{module_name}:{attribute}")
+    return gone

@@ -1,0 +1,158 @@
+"""Every private Lightning, torch and torchmetrics API the adapters rely on, one named function
+each, with what it relies on. Tested with lightning 2.4 - 2.6, torchmetrics 1.4 - 1.8,
+torch 2.6 - 2.13.
+
+After an upgrade, run ``tests/unit/test_compat.py``: it calls :func:`missing` and names anything
+that moved, before a training run finds out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning_elastic.core._compat import unmet
+
+__all__ = [
+    "REQUIREMENTS",
+    "dump_checkpoint",
+    "install_on_connector",
+    "metric_reductions",
+    "metric_update_count",
+    "missing",
+    "optimizer_to_device",
+    "reinstantiate_dataloader",
+    "set_loaded_checkpoint",
+    "set_metric_update_count",
+    "track_scheduler_steps",
+    "trainer_of",
+    "uninstall_from_connector",
+    "unwrap_optimizer",
+]
+
+REQUIREMENTS: tuple[tuple[str, str], ...] = (
+    # the trainer's checkpoint connector: resume_start is where Lightning loads a checkpoint,
+    # dump_checkpoint builds the dict we save, _ckpt_path/_loaded_checkpoint hold the restore
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector.resume_start",
+    ),
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector.dump_checkpoint",
+    ),
+    ("lightning.pytorch.utilities.migration.utils", "_pl_migrate_checkpoint"),
+    ("lightning.fabric.utilities.optimizer", "_optimizer_to_device"),
+    # rebuilding a dataloader with another sampler (Lightning's sampler injection)
+    ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs"),
+    ("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls"),
+    # torchmetrics keeps the update count and the reduction of each state privately
+    ("torchmetrics", "Metric.metric_state"),
+)
+
+
+def trainer_of(module: Any) -> Any:
+    """The trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises
+    when detached; ``_trainer`` does not)."""
+    return getattr(module, "_trainer", None)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (its ``_optimizer``)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def optimizer_to_device(optimizer: Any, device: Any) -> None:
+    """Move an optimizer's state tensors to ``device`` (Lightning's own helper)."""
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    _optimizer_to_device(optimizer, device)
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The full checkpoint dict Lightning would save (model, loops, callbacks, ...)."""
+    checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return checkpoint
+
+
+def install_on_connector(trainer: Any, name: str, replacement: Callable[..., Any]) -> Any:
+    """Replace method ``name`` of the trainer's checkpoint connector for this trainer only;
+    returns the original (bound) method. :func:`uninstall_from_connector` undoes it."""
+    connector = trainer._checkpoint_connector
+    original = getattr(connector, name)
+    connector.__dict__[f"_lightning_elastic_original_{name}"] = original
+    setattr(connector, name, replacement)
+    return original
+
+
+def uninstall_from_connector(trainer: Any, name: str) -> None:
+    connector = trainer._checkpoint_connector
+    if connector.__dict__.pop(f"_lightning_elastic_original_{name}", None) is not None:
+        connector.__dict__.pop(name, None)
+
+
+def set_loaded_checkpoint(trainer: Any, checkpoint: dict[str, Any], location: str) -> None:
+    """Make ``checkpoint`` the one Lightning restores from (what ``resume_start`` does after
+    ``torch.load``), migrated to the installed Lightning's format."""
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    connector = trainer._checkpoint_connector
+    connector._ckpt_path = location
+    connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, location)
+
+
+def reinstantiate_dataloader(dataloader: Any, sampler: Any, **overrides: Any) -> Any:
+    """The same DataLoader class and arguments with ``sampler`` (and ``overrides``, e.g. a
+    new ``batch_size``); raises ``KeyError`` naming an override the class does not take."""
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)
+    for key, value in overrides.items():
+        if key not in kwargs:
+            raise KeyError(key)
+        kwargs[key] = value
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def track_scheduler_steps(optimizer: Any) -> None:
+    """Install the step tracking torch's LR schedulers put on their optimizer's ``step``
+    (``_opt_called`` / ``_wrapped_by_lr_sched``), so a scheduler re-pointed at ``optimizer``
+    does not warn that the optimizer never stepped."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked
+
+
+def metric_update_count(metric: Any) -> int:
+    """How many times a torchmetrics ``Metric`` was updated (``_update_count``)."""
+    return int(metric._update_count)
+
+
+def set_metric_update_count(metric: Any, count: int) -> None:
+    """Set the update count and drop the cached ``compute()`` result (``_computed``)."""
+    metric._update_count = int(count)
+    metric._computed = None
+
+
+def metric_reductions(metric: Any) -> dict[str, Any]:
+    """State name -> reduction function of a torchmetrics ``Metric`` (``_reductions``)."""
+    return dict(metric._reductions)
+
+
+def missing() -> list[str]:
+    """The requirements of this module this installation no longer meets, as
+    ``module:attribute`` strings (instance attributes such as ``Metric._update_count`` are
+    checked by the tests)."""
+    return unmet(REQUIREMENTS)

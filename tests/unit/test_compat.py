@@ -1,0 +1,67 @@
+"""The private APIs we rely on still exist, and the core/CLI never import Lightning."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchmetrics
+
+from lightning_elastic.core import _compat as core_compat
+from lightning_elastic.lightning import _compat as lightning_compat
+
+
+@pytest.mark.parametrize("module", [core_compat, lightning_compat], ids=["torch", "lightning"])
+def test_every_private_api_we_use_still_exists(module: object) -> None:
+    gone = module.missing()  # type: ignore[attr-defined]
+    assert not gone, (
+        f"an upgrade removed private APIs that {module.__name__} wraps: {gone}; "  # type: ignore[attr-defined]
+        "adapt the function there that uses each one"
+    )
+
+
+def test_torchmetrics_keeps_update_count_and_reductions_on_instances() -> None:
+    metric = torchmetrics.SumMetric()
+    metric.update(torch.tensor(2.0))
+    assert lightning_compat.metric_update_count(metric) == 1
+    assert set(lightning_compat.metric_reductions(metric)) == set(metric.metric_state)
+    lightning_compat.set_metric_update_count(metric, 5)
+    assert lightning_compat.metric_update_count(metric) == 5
+
+
+def test_a_missing_requirement_is_named() -> None:
+    assert core_compat.unmet((("torch", "no_such_attribute"), ("no_such_module", "x"))) == [
+        "torch:no_such_attribute",
+        "no_such_module:x",
+    ]
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return set(out.split())
+
+
+def test_importing_the_package_the_core_or_the_cli_never_imports_lightning() -> None:
+    loaded = _modules_after(
+        "import lightning_elastic, lightning_elastic.core, lightning_elastic.errors, "
+        "lightning_elastic.cli, lightning_elastic.core.engine"
+    )
+    assert "lightning" not in loaded and "lightning.pytorch" not in loaded
+
+
+def test_manifest_only_cli_verbs_import_neither_lightning_nor_torch(tmp_path: object) -> None:
+    code = (
+        "from lightning_elastic.cli import main\n"
+        f"for argv in (['ls', {str(tmp_path)!r}], ['prune', {str(tmp_path)!r}, '--keep-last', '1'],"
+        f" ['verify', {str(tmp_path)!r}, '--mode', 'size']):\n"
+        "    main(argv)\n"
+    )
+    loaded = _modules_after(code)
+    assert "torch" not in loaded and "lightning" not in loaded
