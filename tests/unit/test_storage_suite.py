@@ -179,7 +179,7 @@ def test_direct_writes_whole_pages_and_buffers_the_tail(tmp_path) -> None:
     import torch
 
     from lightning_elastic.core.save.stage import PAGE, HostArena
-    from lightning_elastic.core.storage.base import _LocalFile
+    from lightning_elastic.core.storage.local import _LocalFile
 
     arena = HostArena()
     image = arena.reserve(3 * PAGE + 100)

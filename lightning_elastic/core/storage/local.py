@@ -1,0 +1,345 @@
+"""Local-disk storage: unbuffered writes that release the GIL, O_DIRECT for page-aligned
+buffers, ``fsync`` of each file and of its directory, and an atomic exclusive publish (write a
+temporary file, then ``os.link`` it to the final name, which fails if the name exists).
+
+Every path is resolved below the root without following symbolic links out of it: a path
+whose real location leaves the root is refused, listings report links as links, and deleting
+a link removes the link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import errno
+import os
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from lightning_elastic.core.storage.base import Buffer, Entry, Storage, Written
+from lightning_elastic.core.storage.checksum import Hasher, new_hasher
+from lightning_elastic.core.storage.retry import RetryPolicy
+from lightning_elastic.errors import CheckpointExistsError, StorageError
+
+__all__ = ["LocalStorage", "drain"]
+
+_READ_CHUNK = 8 << 20
+_BLOCK = 4096
+
+
+class LocalStorage(Storage):
+    """:class:`Storage` on a local (or locally mounted) filesystem."""
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        fs: Any = None,
+        retry: RetryPolicy | None = None,
+        durable: bool = True,
+    ) -> None:
+        super().__init__(url, storage_options=storage_options, fs=fs, retry=retry, durable=durable)
+        path = self.url.split("://", 1)[1] if "://" in self.url else self.url
+        self.root = os.path.abspath(path).rstrip("/") or "/"
+        self._fs = fs
+        self._real: str | None = None  # the root with links resolved, once
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    @property
+    def fs(self) -> Any:
+        """An fsspec view of the same files (for callers that want one)."""
+        if self._fs is None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            self._fs = LocalFileSystem()
+        return self._fs
+
+    def _copy(self) -> Storage:
+        sub = copy.copy(self)
+        sub._real = None
+        return sub
+
+    # ------------------------------------------------------------------ confinement
+
+    def full(self, rel: str = "") -> str:
+        path = super().full(rel)
+        parent = os.path.dirname(path)
+        if path != self.root and parent != self.root:  # nested: no link may lead outside
+            self._confine(parent, rel)
+        return path
+
+    def child(self, rel: str) -> Storage:
+        sub = super().child(rel)
+        self._confine(sub.root, rel)
+        return sub
+
+    def _confine(self, path: str, rel: str) -> None:
+        """Refuse ``path`` when its real location (links resolved) is outside the root."""
+        real_root = self._real_root()
+        real = os.path.realpath(path)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise StorageError(
+                "resolve",
+                self.display(rel),
+                f"the path leads out of the storage root through a symbolic link (to {real})",
+            )
+
+    def _real_root(self) -> str:
+        if self._real is None:
+            self._real = os.path.realpath(self.root)
+        return self._real
+
+    def _is_link(self, rel: str) -> bool:
+        return os.path.islink(self.full(rel))
+
+    # ------------------------------------------------------------------ writes
+
+    def write_stream(
+        self,
+        rel: str,
+        chunks: Callable[[], Iterable[Buffer]],
+        *,
+        checksum: str | None = None,
+        exclusive: bool = False,
+        durable: bool | None = None,
+        direct: bool = False,
+    ) -> Written:
+        sync = self.durable if durable is None else durable
+        path = self.full(rel)
+
+        def write() -> Written:
+            if exclusive:
+                return _write_exclusive(path, chunks(), checksum, sync)
+            return _write(path, chunks(), checksum, sync, direct)
+
+        written: Written = self._call("write", rel, write)
+        return written
+
+    # ------------------------------------------------------------------ reads
+
+    def read_bytes(self, rel: str, start: int = 0, length: int | None = None) -> bytes:
+        path = self.full(rel)
+
+        def read() -> bytes:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read() if length is None else f.read(length)
+
+        data: bytes = self._call("read", rel, read)
+        if length is not None and len(data) != length:
+            raise StorageError(
+                "read",
+                self.display(rel),
+                f"file ended after {len(data)} of {length} bytes from offset {start}",
+            )
+        return data
+
+    def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        path = self.full(rel)
+        want = out.nbytes
+
+        def read() -> int:
+            got = 0
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                view = out.cast("B")
+                while got < want:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            return got
+
+        got = self._call("read", rel, read)
+        if got != want:
+            raise StorageError(
+                "read",
+                self.display(rel),
+                f"file ended after {got} of {want} bytes from offset {offset}",
+            )
+
+    def hash_file(self, rel: str, algorithm: str) -> Written:
+        path = self.full(rel)
+
+        def digest() -> Written:
+            hasher = new_hasher(algorithm)
+            size = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(_READ_CHUNK):
+                    hasher.update(chunk)
+                    size += len(chunk)
+            return Written(size, hasher.hexdigest())
+
+        result: Written = self._call("read", rel, digest)
+        return result
+
+    # ------------------------------------------------------------------ namespace
+
+    def exists(self, rel: str) -> bool:
+        path = self.full(rel)
+        result: bool = self._call("exists", rel, lambda: os.path.lexists(path))
+        return result
+
+    def size(self, rel: str) -> int:
+        path = self.full(rel)
+        result: int = self._call("stat", rel, lambda: os.stat(path).st_size)
+        return result
+
+    def listdir(self, rel: str = "") -> list[Entry]:
+        path = self.full(rel)
+
+        def ls() -> list[Entry]:
+            if not os.path.isdir(path) or (rel.strip("/") and os.path.islink(path)):
+                return []
+            entries = []
+            for item in os.scandir(path):
+                if item.is_symlink():
+                    entries.append(Entry(item.name, False, 0, is_link=True))
+                    continue
+                is_dir = item.is_dir(follow_symlinks=False)
+                size = 0 if is_dir else item.stat(follow_symlinks=False).st_size
+                entries.append(Entry(item.name, is_dir, size))
+            return entries
+
+        result: list[Entry] = self._call("list", rel, ls)
+        return sorted(result, key=lambda e: e.name)
+
+    def delete(self, rel: str) -> None:
+        path = self.full(rel)
+
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+        self._call("delete", rel, rm)
+
+    def _rmdir(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(path)
+
+
+def _write(
+    path: str, chunks: Iterable[Buffer], checksum: str | None, sync: bool, direct: bool = False
+) -> Written:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    out = _LocalFile(path, direct=direct)
+    try:
+        written = drain(chunks, checksum, out.write)
+        if sync:
+            out.sync()
+    except BaseException:
+        out.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    out.close()
+    if sync:
+        _fsync_dir(os.path.dirname(path))
+    return written
+
+
+def _write_exclusive(
+    path: str, chunks: Iterable[Buffer], checksum: str | None, sync: bool
+) -> Written:
+    if os.path.lexists(path):
+        raise CheckpointExistsError(f"{path} already exists")
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    written = _write(tmp, chunks, checksum, sync)
+    try:
+        os.link(tmp, path)  # atomic, and fails if the name exists
+    except FileExistsError:
+        raise CheckpointExistsError(f"{path} already exists") from None
+    finally:
+        os.unlink(tmp)
+    if sync:
+        _fsync_dir(os.path.dirname(path))
+    return written
+
+
+def drain(
+    chunks: Iterable[Buffer], checksum: str | None, write: Callable[[memoryview], Any]
+) -> Written:
+    """Hand every chunk to ``write`` and hash it on the way."""
+    hasher: Hasher | None = new_hasher(checksum) if checksum else None
+    size = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        if hasher is not None:
+            hasher.update(view)
+        write(view)
+        size += view.nbytes
+    return Written(size, hasher.hexdigest() if hasher is not None else None)
+
+
+class _LocalFile:
+    """A new local file written sequentially; whole, page-aligned blocks go through an
+    O_DIRECT descriptor when asked and supported, everything else through the page cache."""
+
+    def __init__(self, path: str, *, direct: bool) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self.direct_fd: int | None = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW)
+            except OSError:  # e.g. tmpfs: no O_DIRECT
+                self.direct_fd = None
+        self.offset = 0
+
+    def write(self, view: memoryview) -> None:
+        n = view.nbytes
+        if self.direct_fd is not None and n % _BLOCK == 0 and _aligned(view):
+            try:
+                _pwrite_all(self.direct_fd, view, self.offset)
+                self.offset += n
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.direct_fd)  # refused after all: use the page cache from now on
+                self.direct_fd = None
+        _pwrite_all(self.fd, view, self.offset)
+        self.offset += n
+
+    def sync(self) -> None:
+        os.fsync(self.fd)  # per inode: flushes the buffered part and the device cache
+
+    def close(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
+        os.close(self.fd)
+
+
+def _aligned(view: memoryview) -> bool:
+    if view.readonly or view.nbytes == 0:
+        return False
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % _BLOCK == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not support fsync on directories
+    finally:
+        os.close(fd)
