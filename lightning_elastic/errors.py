@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 
 __all__ = [
+    "TRUSTED_HINT",
     "CheckpointExistsError",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
@@ -26,12 +27,15 @@ __all__ = [
     "Phase",
     "RankFailure",
     "SaveTimeoutError",
+    "StaleWriterError",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
     "StoragePermissionError",
     "TransientStorageError",
+    "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "UntrustedManifestError",
     "WorldSizeError",
 ]
 
@@ -105,6 +109,12 @@ class CheckpointExistsError(ElasticCheckpointError, FileExistsError):
 
 class ManifestError(ElasticCheckpointError):
     """A manifest is missing, unparseable or inconsistent. The checkpoint is not usable."""
+
+
+class UntrustedManifestError(ManifestError):
+    """The manifest has no valid HMAC for the key in ``LIGHTNING_ELASTIC_HMAC_KEY``: it was
+    modified, or written without (or with another) key. Refused, but not quarantined: the
+    reader's key may be the wrong one."""
 
 
 class UnsupportedFormatError(ManifestError):
@@ -233,10 +243,46 @@ class CheckpointSaveError(DistributedFailure):
     verb = "was not committed"
 
 
+class StaleWriterError(CheckpointSaveError):
+    """A newer job writes this run (it took a newer lease generation): this job's commit was
+    refused, on every rank. The message names both writers; stop this copy of the job."""
+
+
 class CheckpointLoadError(DistributedFailure):
     """A load failed on some rank; the message names the ranks and what happened."""
 
     verb = "could not be loaded"
+
+
+TRUSTED_HINT = (
+    "nothing from it was executed. If you trust this checkpoint (you wrote it), load it with "
+    "trusted=True (CheckpointEngine.load / DistributedCheckpoint(trusted=True) / "
+    "`lightning-elastic consolidate --trusted`), or allowlist the type with "
+    "torch.serialization.add_safe_globals([...])"
+)
+
+
+class UnsafeCheckpointError(CheckpointLoadError):
+    """A checkpoint holds an object that loading would have to run code from storage for.
+
+    ``types`` names the offending globals (classes or functions). Nothing from the checkpoint
+    was executed. Load it with ``trusted=True`` only if you trust where it came from.
+    """
+
+    verb = "was not loaded (unsafe object)"
+
+    def __init__(
+        self, checkpoint: str, failures: Sequence[RankFailure], types: Sequence[str] = ()
+    ) -> None:
+        self.types = tuple(types)
+        super().__init__(checkpoint, failures)
+        self.args = (f"{self.args[0]}; {TRUSTED_HINT}",)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.checkpoint, list(self.failures.values()), self.types))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class CheckpointTimeoutError(DistributedFailure, TimeoutError):

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from lightning_elastic.core.dist.channel import CommitChannel
 from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import check_verify_mode
-from lightning_elastic.core.format.manifest import check_json_safe
+from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
 from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, load_checkpoint
 from lightning_elastic.core.load.select import select_checkpoint
 from lightning_elastic.core.policy.retention import RetentionPolicy
@@ -41,6 +42,7 @@ from lightning_elastic.core.save.write import check_compression
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
 from lightning_elastic.errors import (
+    CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
@@ -94,7 +96,9 @@ class CheckpointEngine:
             with a dedicated gloo group, from the initialized default process group.
         process_group: the group to checkpoint over (default: a new gloo group over all ranks).
         run_id: identifies this run's checkpoints (retention only touches its own); rank 0's
-            value, or a fresh one, is adopted by all ranks.
+            value, or a fresh one, is adopted by all ranks. When given, :meth:`load` and
+            :meth:`latest` consider only this run's checkpoints; when not, :meth:`load`
+            continues the run of the checkpoint it loads (logged).
         async_save: stage and return, writing in the background (``True``), or write and
             commit before returning (``False``).
         when_busy: a save requested while another is in flight ``"wait"``s for it, or is
@@ -104,6 +108,9 @@ class CheckpointEngine:
         retention: policies (``KeepLastN`` ...) applied by rank 0 after each durable commit.
         timeout: how long ranks wait for each other in a save or load before raising
             :class:`~lightning_elastic.errors.CheckpointTimeoutError`.
+        leftover_grace: age after which a directory without a manifest left by *another*
+            job (or a stray file in a committed directory) is garbage (default: twice
+            ``timeout``); this run's own leftovers are removed after its next commit.
     """
 
     def __init__(
@@ -121,6 +128,7 @@ class CheckpointEngine:
         checksum: str = DEFAULT_ALGORITHM,
         retention: Sequence[RetentionPolicy] = (),
         timeout: timedelta = timedelta(minutes=10),
+        leftover_grace: timedelta | None = None,
     ) -> None:
         if storage is None:
             if root is None:
@@ -130,6 +138,9 @@ class CheckpointEngine:
             raise ConfigError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
         if timeout.total_seconds() <= 0:
             raise ConfigError(f"timeout must be positive, got {timeout}")
+        grace = 2 * timeout if leftover_grace is None else leftover_grace
+        if grace.total_seconds() < 0:
+            raise ConfigError(f"leftover_grace must be >= 0, got {leftover_grace}")
         check_compression(compression)
         new_hasher(checksum)  # validates the name
         self.storage = storage
@@ -158,7 +169,9 @@ class CheckpointEngine:
             timeout_s=timeout.total_seconds(),
             arena=HostArena(pin_memory=torch.cuda.is_available()),
             retention=tuple(retention),
+            leftover_grace_s=grace.total_seconds(),
         )
+        self._explicit_run = run_id is not None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._closed = False
@@ -273,7 +286,9 @@ class CheckpointEngine:
     def latest(self, *, verify: str = "full") -> CheckpointInfo | None:
         """The newest valid checkpoint (collective; corrupt ones are quarantined), or None."""
         check_verify_mode(verify)
-        return select_checkpoint(self.storage, self.catalog, self.coordinator, None, verify)
+        return select_checkpoint(
+            self.storage, self.catalog, self.coordinator, None, verify, run_id=self._run_filter()
+        )
 
     def load(
         self,
@@ -283,6 +298,7 @@ class CheckpointEngine:
         verify: str = "full",
         strict: bool = True,
         adopt_run: bool = True,
+        trusted: bool = False,
     ) -> LoadResult:
         """Load into ``state`` in place, at this world size (DCP reshards as needed); with
         ``state=None`` the whole checkpoint is returned as a new nested dict
@@ -291,17 +307,30 @@ class CheckpointEngine:
         ``checkpoint`` names a directory under the root; by default the newest valid one is
         used, walking back past corrupt ones. With ``adopt_run`` this engine continues the
         checkpoint's run id, and the checkpoint is protected from retention.
+
+        Objects (everything that is not a tensor) are unpickled with an allowlist and never run
+        code from storage; a checkpoint holding other types raises
+        :class:`~lightning_elastic.errors.UnsafeCheckpointError`. ``trusted=True`` lifts the
+        allowlist: only for checkpoints whose origin you trust.
         """
         self._check_open()
         check_verify_mode(verify)
         if self._inflight is not None:
             self.wait()
         start = time.monotonic()
-        info = select_checkpoint(self.storage, self.catalog, self.coordinator, checkpoint, verify)
+        info = select_checkpoint(
+            self.storage,
+            self.catalog,
+            self.coordinator,
+            checkpoint,
+            verify,
+            run_id=None if checkpoint is not None else self._run_filter(),
+        )
         if info is None:
+            only = f" of run {self.run_id!r}" if self._explicit_run else ""
             raise CheckpointNotFoundError(
-                f"no valid checkpoint in {self.storage.display()}; start without resuming "
-                "or point to a directory holding committed checkpoints"
+                f"no valid checkpoint{only} in {self.storage.display()}; start without "
+                "resuming or point to a directory holding committed checkpoints"
             )
         result = load_checkpoint(
             self.storage,
@@ -310,11 +339,16 @@ class CheckpointEngine:
             state,
             strict=strict,
             verify_s=time.monotonic() - start,
+            trusted=trusted,
         )
         self._ctx.resumed_from = info.name
+        self._ctx.parent = info.name
         self._ctx.protected.add(info.name)
-        if adopt_run and info.run_id:
+        if adopt_run and info.run_id and not self._explicit_run:
+            if info.run_id != self._ctx.run_id:
+                log.info("resuming run %s from %s", info.run_id, info.location)
             self._ctx.run_id = info.run_id
+        self._fence()
         log.info("loaded checkpoint %s (step %s)", info.location, info.step)
         return result
 
@@ -323,6 +357,20 @@ class CheckpointEngine:
         return self.catalog.scan()
 
     # ------------------------------------------------------------------ internals
+
+    def _run_filter(self) -> str | None:
+        return self.run_id if self._explicit_run else None
+
+    def _fence(self) -> None:
+        """Take this job's lease on the run now (rank 0), so a still-running older copy of
+        the job cannot commit from here on (see :mod:`~lightning_elastic.core.dist.lease`)."""
+        ctx = self._ctx
+
+        def take() -> None:
+            if ctx.lease is None or ctx.lease.run_id != ctx.run_id:
+                ctx.lease = take_lease(ctx.storage, ctx.run_id)
+
+        self.coordinator.broadcast(Phase.LOAD, take, error=CheckpointLoadError)
 
     def _ready_for_new_save(self) -> bool:
         handle = self._inflight
@@ -349,6 +397,8 @@ class CheckpointEngine:
     ) -> SaveRequest:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        if name is not None and not is_plain_name(name.strip("/")):
+            raise ConfigError(f"name must be a plain directory name below the root, got {name!r}")
         try:
             check_json_safe(metadata or {}, "metadata")
             clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}

@@ -30,7 +30,7 @@ from fsspec import AbstractFileSystem
 
 __all__ = ["OPS", "Fault", "FaultyFileSystem"]
 
-OPS = ("open", "write", "close", "closed", "read", "list", "exists", "delete", "mkdir")
+OPS = ("open", "write", "close", "closed", "read", "list", "exists", "delete", "mkdir", "rename")
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,10 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self.inject("mkdir", path)
         self.target.mkdir(path, create_parents=create_parents, **kwargs)
+
+    def mv(self, path1: str, path2: str, **kwargs: Any) -> None:
+        self.inject("rename", path2)
+        self.target.mv(path1, path2, **kwargs)
 
     def invalidate_cache(self, path: str | None = None) -> None:
         self.target.invalidate_cache(path)

@@ -226,7 +226,7 @@ def two_checkpoints(tmp_path) -> tuple[CheckpointEngine, Path, Path]:
     ("damage", "verify", "reason"),
     [
         (lambda d: corrupt_bit(shard_files(d)[0]), "full", "checksum"),
-        (lambda d: corrupt_bit(d / "dcp_metadata.json", 10), "full", "checksum"),
+        (lambda d: corrupt_bit(next(d.glob("*-dcp_metadata.json")), 10), "full", "checksum"),
         (
             lambda d: shard_files(d)[0].write_bytes(shard_files(d)[0].read_bytes()[:-7]),
             "size",
@@ -346,25 +346,32 @@ def test_enospc_never_deletes_the_only_valid_checkpoint(tmp_path) -> None:
 def test_leftovers_of_crashed_saves_are_cleaned_by_next_commit(tmp_path) -> None:
     eng = CheckpointEngine(tmp_path, run_id="run-a")
     eng.save({"x": torch.ones(3)}, step=1).result()
-    # a crashed save of this run, one of another run, and stray files in a committed dir
-    for name, run in (("step_000000002", "run-a"), ("step_000000009", "run-b")):
+    # a crashed save of this run, a recent one of another run (maybe still writing), an old
+    # one of another run (past the grace period), and a stray file in a committed dir
+    now = time.time()
+    for name, run, born in (
+        ("step_000000002", "run-a", now),
+        ("step_000000009", "run-b", now),
+        ("step_000000008", "run-c", now - 3 * 3600),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "_staging.json").write_text(
-            json.dumps({"run_id": run, "save_id": "dead", "step": 2, "created_unix": 1.0})
+            json.dumps({"run_id": run, "save_id": "dead", "step": 2, "created_unix": born})
         )
         (tmp_path / name / "dead-rank00000.distcp").write_bytes(b"partial")
     statuses = {i.name: i.status for i in eng.list()}
     assert statuses["step_000000002"] == "incomplete"
-    eng.save({"x": torch.ones(3)}, step=2).result()  # same step: reuses the dir name
-    assert sorted(p.name for p in (tmp_path / "step_000000002").iterdir()) == sorted(
-        [
-            MANIFEST_FILE,
-            "dcp_metadata.json",
-            *[p.name for p in shard_files(tmp_path / "step_000000002")],
-        ]
+    # same step: the crashed save's directory is never written again, its claim is honoured
+    eng.save({"x": torch.ones(3)}, step=2).result()
+    committed = tmp_path / "step_000000002-1"
+    assert sorted(p.name for p in committed.iterdir()) == sorted(
+        [MANIFEST_FILE, *[p.name for p in committed.glob("*-dcp_metadata.json")]]
+        + [p.name for p in shard_files(committed)]
     )
-    assert len(shard_files(tmp_path / "step_000000002")) == 1
-    assert (tmp_path / "step_000000009").exists()  # another run's: untouched
+    assert len(shard_files(committed)) == 1
+    assert not (tmp_path / "step_000000002").exists()  # this run's leftover: collected
+    assert (tmp_path / "step_000000009").exists()  # another run's, recent: untouched
+    assert not (tmp_path / "step_000000008").exists()  # another run's, past the grace
     eng.close()
 
 

@@ -27,7 +27,13 @@ from typing import Any
 
 from torch.distributed.distributed_c10d import Store
 
-from lightning_elastic.errors import CheckpointSaveError, Phase, RankFailure, SaveTimeoutError
+from lightning_elastic.errors import (
+    CheckpointSaveError,
+    Phase,
+    RankFailure,
+    SaveTimeoutError,
+    StaleWriterError,
+)
 
 __all__ = ["CommitChannel", "CommitDecision"]
 
@@ -62,6 +68,9 @@ class CommitDecision:
         )
 
     def error(self, checkpoint: str) -> CheckpointSaveError:
+        """The error every rank raises for a refused save."""
+        if any(f.error_type == StaleWriterError.__name__ for f in self.failures):
+            return StaleWriterError(checkpoint, self.failures)
         if self.missing:
             return SaveTimeoutError(
                 checkpoint, Phase.COMMIT, self.missing, self.timeout_s, self.failures

@@ -23,19 +23,22 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from lightning_elastic.core.dist.channel import CommitDecision
 from lightning_elastic.core.format.dcp_json import ItemLocation, metadata_to_json
+from lightning_elastic.core.dist.lease import check_lease
+from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import (
-    DCP_METADATA_FILE,
     MANIFEST_FILE,
+    MAX_SEQUENCE,
     FileRecord,
     Manifest,
     RankRecord,
     Timings,
+    dcp_metadata_file_name,
     shard_file_name,
 )
 from lightning_elastic.core.policy.housekeeping import discard_uncommitted
 from lightning_elastic.core.save.request import PlannedSave, SaveContext
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.errors import CheckpointTimeoutError, Phase, RankFailure
+from lightning_elastic.errors import CheckpointTimeoutError, Phase, RankFailure, StaleWriterError
 
 __all__ = ["commit_as_coordinator", "library_versions"]
 
@@ -58,16 +61,40 @@ def commit_as_coordinator(
             decision = CommitDecision(True)
     except CheckpointTimeoutError as exc:
         decision = CommitDecision(False, (), tuple(exc.missing_ranks), ctx.timeout_s)
+    except StaleWriterError as exc:
+        log.error("refusing to commit %s: %s", what, exc)
+        decision = CommitDecision(False, tuple(exc.failures.values()))
     except Exception as exc:
         log.error("rank 0 failed to commit %s", what, exc_info=True)
         decision = CommitDecision(False, (RankFailure.from_exception(0, Phase.COMMIT, exc),))
+    if not decision.committed:
+        decision = _stale_first(ctx, decision)
     ctx.channel.publish(planned.save_id, decision)
     if not decision.committed:
         # With every rank reported nobody writes any more: remove it all (frees space on
         # ENOSPC). With ranks missing, keep the staging record so a later save can attribute
         # and remove whatever the stragglers still write.
-        discard_uncommitted(ctx.storage, planned.name, keep_record=bool(decision.missing))
+        discard_uncommitted(
+            ctx.storage, planned.name, planned.save_id, keep_record=bool(decision.missing)
+        )
     return decision, manifest
+
+
+def _stale_first(ctx: SaveContext, decision: CommitDecision) -> CommitDecision:
+    """A refused save of a stale writer says so, whatever else failed: the newer job's cleanup
+    removes what a stale copy writes, so its saves can fail in any phase, and the old copy
+    must still learn that it is stale (and stop)."""
+    stale = StaleWriterError.__name__
+    if ctx.lease is None or any(f.error_type == stale for f in decision.failures):
+        return decision
+    try:
+        check_lease(ctx.storage, ctx.lease)
+    except StaleWriterError as exc:  # rank 0's failure becomes the stale verdict
+        failures = (*decision.failures, *exc.failures.values())
+        return dataclasses.replace(decision, failures=failures)
+    except Exception:
+        log.debug("could not check the lease after a failed save", exc_info=True)
+    return decision
 
 
 def _write_commit(
@@ -88,9 +115,10 @@ def _write_commit(
     assert planned.dcp_metadata is not None
     metadata = dataclasses.replace(planned.dcp_metadata, storage_data=storage_data, version="1.0.0")
     body = metadata_to_json(metadata, planned.skeleton).encode()
-    written = ckpt.write_stream(DCP_METADATA_FILE, lambda: (body,), checksum=ctx.checksum)
+    dcp_file = dcp_metadata_file_name(planned.save_id)
+    written = ckpt.write_stream(dcp_file, lambda: (body,), checksum=ctx.checksum)
     assert written.checksum is not None
-    files.append(FileRecord(DCP_METADATA_FILE, written.size, written.checksum, None))
+    files.append(FileRecord(dcp_file, written.size, written.checksum, None))
     request = planned.request
     now = time.monotonic()
     manifest = Manifest(
@@ -115,9 +143,24 @@ def _write_commit(
         metrics=dict(request.metrics),
         metadata=dict(request.metadata),
         resumed_from=ctx.resumed_from,
+        sequence=next_sequence(ctx.catalog),
+        parent=ctx.parent,
+        generation=None if ctx.lease is None else ctx.lease.generation,
+        dcp_metadata=dcp_file,
     )
+    if ctx.lease is not None:
+        check_lease(ctx.storage, ctx.lease)  # a newer job of this run wins: refuse
     ckpt.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), exclusive=True)
     return manifest
+
+
+def next_sequence(catalog: Catalog) -> int:
+    """One more than the newest commit sequence in the root (commit order, not steps).
+
+    Two jobs committing at the same instant may draw the same number; ties are ordered by
+    creation time, then name."""
+    sequences = [i.manifest.sequence for i in catalog.scan() if i.manifest is not None]
+    return min(max(sequences, default=0) + 1, MAX_SEQUENCE)  # saturate: ties go by time
 
 
 def encode_result(result: Any) -> list[Any]:

@@ -330,18 +330,18 @@ class Coordinator:
         error: type[DistributedFailure],
         missing: list[int],
     ) -> DistributedFailure:
-        """What a failed collective means: ranks that never arrived are the cause (a timeout
-        naming them); a timeout or a connection lost mid-collective blames the other ranks;
-        anything else (an object that does not pickle, ...) is this rank's own failure."""
+        """What a failed collective means: an exception that is not a lost peer (an object
+        that does not pickle, ...) is this rank's own failure; a timeout or a lost connection
+        blames the ranks that never arrived, or, when all arrived, the other ranks."""
+        own = RankFailure.from_exception(self.rank, phase, exc)
+        if not _lost_peer(exc):  # e.g. an object that does not pickle: ours, whoever is late
+            return error(what, [own])
         seconds = self.timeout.total_seconds()
         timeout = timeout_error_for(error)
         if missing:
             return timeout(what, phase, missing, seconds)
-        own = RankFailure.from_exception(self.rank, phase, exc)
-        if _lost_peer(exc):
-            others = [r for r in range(self.world_size) if r != self.rank]
-            return timeout(what, phase, others, seconds, failures=[own])
-        return error(what, [own])
+        others = [r for r in range(self.world_size) if r != self.rank]
+        return timeout(what, phase, others, seconds, failures=[own])
 
     def _raise_failures(
         self, phase: Phase, value: Any, what: str, error: type[DistributedFailure]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from lightning_elastic.core.format.manifest import (
     MANIFEST_FILE,
@@ -30,7 +32,9 @@ from lightning_elastic.errors import (
     CheckpointNotFoundError,
     ManifestError,
     StorageError,
+    StorageNotFoundError,
     UnsupportedFormatError,
+    UntrustedManifestError,
 )
 
 __all__ = [
@@ -39,16 +43,46 @@ __all__ = [
     "VALID",
     "Catalog",
     "CheckpointInfo",
+    "Status",
     "checkpoint_name",
+    "holds_checkpoint_files",
+    "is_checkpoint_name",
     "split_location",
 ]
 
 log = logging.getLogger(__name__)
 
-VALID = "valid"
-CORRUPT = "corrupt"
-INCOMPLETE = "incomplete"
+
+class Status(str, Enum):
+    """What a checkpoint directory is (the value is what the CLI prints)."""
+
+    VALID = "valid"
+    CORRUPT = "corrupt"
+    INCOMPLETE = "incomplete"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+VALID = Status.VALID
+CORRUPT = Status.CORRUPT
+INCOMPLETE = Status.INCOMPLETE
 _NAME = re.compile(r"^step_(\d+)(?:-(\d+))?$")
+# files only a save writes: `<save id>-rank00000.distcp`, `<save id>-dcp_metadata.json`, ...
+_SAVE_FILE = re.compile(r"^[0-9a-f]{16}-")
+_RECORDS = (MANIFEST_FILE, STAGING_FILE, QUARANTINE_FILE)
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is one the engine gives (``step_000000100``, ``step_000000100-1``)."""
+    return _NAME.match(name) is not None
+
+
+def holds_checkpoint_files(names: Iterable[str]) -> bool:
+    """Whether a directory with these file names is (or was becoming) a checkpoint: it holds
+    a manifest, a claim, a quarantine record or a file named by a save. Any other folder under
+    the root (logs, another tool's checkpoints) is not ours: never listed, never deleted."""
+    return any(n.startswith(_RECORDS) or _SAVE_FILE.match(n) is not None for n in names)
 
 
 def split_location(path: object) -> tuple[str, str]:
@@ -68,12 +102,13 @@ class CheckpointInfo:
 
     name: str
     location: str
-    status: str
+    status: Status
     manifest: Manifest | None = None
     problem: str | None = None
     staging: StagingRecord | None = None
     quarantine: QuarantineRecord | None = None
     unsupported: bool = False  # written by a newer lightning_elastic: not corrupt, unreadable
+    untrusted: bool = False  # no valid HMAC for this reader's key: refused, never quarantined
 
     @property
     def step(self) -> int | None:
@@ -96,15 +131,24 @@ class CheckpointInfo:
             return self.manifest.created_unix
         return self.staging.created_unix if self.staging is not None else 0.0
 
-    def sort_key(self) -> tuple[int, float, str]:
-        return (self.step if self.step is not None else -1, self.created_unix, self.name)
+    @property
+    def sequence(self) -> int:
+        """Commit order in the root (0 for version-1 checkpoints and uncommitted ones)."""
+        return self.manifest.sequence if self.manifest is not None else 0
+
+    def sort_key(self) -> tuple[bool, int, float, str]:
+        """Oldest first in commit order: "newest" is the last committed, never the highest
+        step (a rollback's new branch is newer than the abandoned one). Directories without a
+        readable manifest (a save in flight, a damaged manifest) come after every committed
+        one: their place is unknown, so selection looks at (and quarantines) them first."""
+        return (self.manifest is None, self.sequence, self.created_unix, self.name)
 
     def to_json(self) -> dict[str, object]:
         m = self.manifest
         return {
             "name": self.name,
             "path": self.location,
-            "status": self.status,
+            "status": self.status.value,
             "step": self.step,
             "epoch": m.epoch if m else None,
             "world_size": m.world_size if m else None,
@@ -124,7 +168,8 @@ class Catalog:
         self._manifests: dict[tuple[str, int], Manifest] = {}
 
     def scan(self) -> list[CheckpointInfo]:
-        """Every checkpoint-like directory, oldest first (by step, then creation time)."""
+        """Every checkpoint-like directory (symbolic links and hidden folders are not), oldest
+        first in commit order (see :meth:`CheckpointInfo.sort_key`)."""
         infos = []
         for entry in self.storage.listdir():
             if entry.is_dir and not entry.name.startswith("."):
@@ -157,15 +202,17 @@ class Catalog:
 
     def _inspect(self, name: str, entries: list[Entry]) -> CheckpointInfo | None:
         files = {e.name: e for e in entries if not e.is_dir}
-        if not files:
+        if not holds_checkpoint_files(files):
             return None
         location = self.storage.display(name)
         staging = self._read_staging(name) if STAGING_FILE in files else None
         quarantine = None
         if QUARANTINE_FILE in files:
-            quarantine = QuarantineRecord.from_json(
-                self._read(f"{name}/{QUARANTINE_FILE}"), location
-            )
+            try:
+                raw = self._read(f"{name}/{QUARANTINE_FILE}")
+            except StorageNotFoundError:
+                return None  # deleted since it was listed
+            quarantine = QuarantineRecord.from_json(raw, location)
         if MANIFEST_FILE not in files:
             return CheckpointInfo(
                 name,
@@ -176,13 +223,21 @@ class Catalog:
             )
         try:
             manifest = self._read_manifest(name, files[MANIFEST_FILE].size)
+        except StorageNotFoundError:
+            return None  # deleted since it was listed (another job's retention): gone
         except UnsupportedFormatError as exc:
             return CheckpointInfo(
                 name, location, CORRUPT, problem=str(exc), staging=staging, unsupported=True
             )
         except ManifestError as exc:
             return CheckpointInfo(
-                name, location, CORRUPT, problem=str(exc), staging=staging, quarantine=quarantine
+                name,
+                location,
+                CORRUPT,
+                problem=str(exc),
+                staging=staging,
+                quarantine=quarantine,
+                untrusted=isinstance(exc, UntrustedManifestError),
             )
         if quarantine is not None:
             problem = f"quarantined: {quarantine.file}: {quarantine.reason}"

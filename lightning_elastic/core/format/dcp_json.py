@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_elastic.core.format.skeleton import Skeleton
 from lightning_elastic.core.storage.base import Storage
+
+if TYPE_CHECKING:
+    from lightning_elastic.core.format.manifest import Manifest
 from lightning_elastic.errors import ManifestError
 
 __all__ = [
@@ -108,11 +111,17 @@ def metadata_from_json(text: str | bytes, where: str) -> Metadata:
     return read_metadata(text, where)[0]
 
 
-def read_checkpoint_metadata(ckpt: Storage) -> tuple[Metadata, Skeleton]:
-    """``dcp_metadata.json`` of the checkpoint directory ``ckpt``, parsed."""
-    from lightning_elastic.core.format.manifest import DCP_METADATA_FILE
+def read_checkpoint_metadata(
+    ckpt: Storage, manifest: Manifest | None = None
+) -> tuple[Metadata, Skeleton]:
+    """The DCP metadata of the checkpoint directory ``ckpt`` (the file its ``manifest``
+    names; the manifest is read when not given), parsed."""
+    from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
 
-    return read_metadata(ckpt.read_bytes(DCP_METADATA_FILE), ckpt.display(DCP_METADATA_FILE))
+    if manifest is None:
+        manifest = Manifest.from_json(ckpt.read_bytes(MANIFEST_FILE), ckpt.display(MANIFEST_FILE))
+    name = manifest.dcp_metadata
+    return read_metadata(ckpt.read_bytes(name), ckpt.display(name))
 
 
 def read_metadata(text: str | bytes, where: str) -> tuple[Metadata, Skeleton]:

@@ -5,6 +5,10 @@ Which rank calls what: :func:`load_checkpoint` is called by all ranks together, 
 tensors are loaded by ``torch.distributed.checkpoint.load`` on the checkpoint group, which
 plans the reads and reshards N -> M; each rank then reads its own rank-local state without a
 collective. :func:`read_rank_states` and :func:`read_full_state` run in one process.
+
+Objects (everything that is not a tensor) are unpickled by
+:func:`~lightning_elastic.core.load.safe.load_object`: with ``weights_only=True`` and an
+allowlist unless the caller passes ``trusted=True``.
 """
 
 from __future__ import annotations
@@ -26,17 +30,19 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_elastic.core._compat import load_planner_mappings
 from lightning_elastic.core.dist.coordinator import Coordinator
-from lightning_elastic.core.format.catalog import CheckpointInfo
+from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
 from lightning_elastic.core.format.manifest import Manifest
 from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
 from lightning_elastic.core.load.reader import ShardReader
+from lightning_elastic.core.load.safe import UnsafeObjectError, load_object, warn_trusted
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
     ManifestError,
     Phase,
     RankFailure,
+    UnsafeCheckpointError,
 )
 
 __all__ = [
@@ -72,11 +78,19 @@ def load_checkpoint(
     *,
     strict: bool = True,
     verify_s: float = 0.0,
+    trusted: bool = False,
 ) -> LoadResult:
     """Load ``info`` into ``state`` in place (DCP semantics), or, with ``state=None``, the
     whole checkpoint into a fresh nested dict (``LoadResult.state``); plus this rank's
-    rank-local state."""
+    rank-local state.
+
+    Objects are loaded without running code from storage; a type outside the allowlist raises
+    :class:`UnsafeCheckpointError`. ``trusted=True`` unpickles them with ``weights_only=False``
+    (it can run code; logged).
+    """
     assert info.manifest is not None
+    if trusted:
+        warn_trusted(info.location)
     start = time.monotonic()
     ckpt = storage.child(info.name)
     metadata, skeleton = read_checkpoint_metadata(ckpt)
@@ -86,12 +100,13 @@ def load_checkpoint(
         state.pop(RANK_LOCAL_KEY, None)
         strict = True
     if state:
-        _dcp_load(state, reader, _LoadPlanner(allow_partial_load=not strict), coord, info)
+        planner = _LoadPlanner(allow_partial_load=not strict, trusted=trusted)
+        _dcp_load(state, reader, planner, coord, info)
     rank_state = None
     prefix = (RANK_LOCAL_KEY, str(coord.rank))
     template = _template(metadata, skeleton, prefix)
     if template:
-        _dcp_load(template, reader, _LoadPlanner(), coord, info, collective=False)
+        _dcp_load(template, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
         rank_state = template[RANK_LOCAL_KEY][str(coord.rank)]
     return LoadResult(
         info=info,
@@ -104,9 +119,14 @@ def load_checkpoint(
     )
 
 
-def read_rank_states(storage: Storage, info: CheckpointInfo, key: str) -> dict[int, Any]:
+def read_rank_states(
+    storage: Storage, info: CheckpointInfo, key: str, *, trusted: bool = False
+) -> dict[int, Any]:
     """Every saved rank's rank-local entry ``key`` (in this process, no collective): what a
-    world-size change needs to redistribute per-rank state such as metric accumulators."""
+    world-size change needs to redistribute per-rank state such as metric accumulators.
+    ``trusted`` as for :func:`load_checkpoint`."""
+    if trusted:
+        warn_trusted(info.location)
     ckpt = storage.child(info.name)
     metadata, skeleton = read_checkpoint_metadata(ckpt)
     reader = ShardReader(ckpt, metadata)
@@ -117,36 +137,51 @@ def read_rank_states(storage: Storage, info: CheckpointInfo, key: str) -> dict[i
         prefix = (RANK_LOCAL_KEY, str(rank), key)
         template = _template(metadata, skeleton, prefix)
         if template:
-            _dcp_load(template, reader, _LoadPlanner(), coord, info, collective=False)
+            planner = _LoadPlanner(trusted=trusted)
+            _dcp_load(template, reader, planner, coord, info, collective=False)
             out[rank] = template[RANK_LOCAL_KEY][str(rank)][key]
     return out
 
 
-def read_full_state(ckpt: Storage, *, include_rank_state: bool = False) -> dict[str, Any]:
-    """The whole checkpoint as one nested dict, in this process (for export/consolidation)."""
+def read_full_state(
+    ckpt: Storage, *, include_rank_state: bool = False, trusted: bool = False
+) -> dict[str, Any]:
+    """The whole checkpoint as one nested dict, in this process (for export/consolidation).
+    ``trusted`` as for :func:`load_checkpoint`."""
     metadata, skeleton = read_checkpoint_metadata(ckpt)
     state = _template(metadata, skeleton, ()) or {}
     if not include_rank_state:
         state.pop(RANK_LOCAL_KEY, None)
     coord = Coordinator.single_process()
-    info = CheckpointInfo(ckpt.url, ckpt.display(), "valid")
-    _dcp_load(state, ShardReader(ckpt, metadata), _LoadPlanner(), coord, info, collective=False)
+    info = CheckpointInfo(ckpt.url, ckpt.display(), VALID)
+    if trusted:
+        warn_trusted(info.location)
+    reader = ShardReader(ckpt, metadata)
+    _dcp_load(state, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
     return state
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, except that loaded objects land under the template's own keys.
+    """DCP's planner, except that objects are unpickled safely (unless ``trusted``) and land
+    under the template's own keys.
 
     DCP addresses objects by stringified paths and would put the value of ``{0: obj}`` under
-    a new key ``"0"`` (an optimizer's per-parameter state, for one).
+    a new key ``"0"`` (an optimizer's per-parameter state, for one). DCP's own ``load_bytes``
+    unpickles with ``weights_only=False``: neither branch below calls it.
     """
 
+    def __init__(self, *args: Any, trusted: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trusted = trusted
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = load_object(value, fqn, trusted=self.trusted)
         if not self.flatten_state_dict:
-            super().load_bytes(read_item, value)
+            self.state_dict[fqn] = obj
             return
         mappings, original = load_planner_mappings(self)
-        _assign(original, mappings[read_item.dest_index.fqn], torch.load(value, weights_only=False))
+        _assign(original, mappings[fqn], obj)
 
 
 def _assign(root: Any, path: Sequence[str | int], value: Any) -> None:
@@ -175,26 +210,36 @@ def _dcp_load(
     collective: bool = True,
 ) -> None:
     use_group = collective and coord.distributed
+    # DCP sorts the top-level keys (int and str do not compare); its FQNs are str(key) anyway.
+    keyed = {str(k): v for k, v in state.items()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_load(
-                state,
+                keyed,
                 storage_reader=reader,
                 planner=planner,
                 process_group=coord.group if use_group else None,
                 no_dist=not use_group,
             )
     except CheckpointException as exc:
+        errors = _failures(exc)
         failures = [
             RankFailure(rank, Phase.LOAD, type(err).__name__, str(err))
-            for rank, err in _failures(exc).items()
+            for rank, err in errors.items()
         ]
+        unsafe = [err for err in errors.values() if isinstance(err, UnsafeObjectError)]
+        if unsafe:
+            types = sorted({t for err in unsafe for t in err.types})
+            raise UnsafeCheckpointError(info.location, failures, types) from exc
         raise CheckpointLoadError(info.location, failures) from exc
     except Exception as exc:
-        raise CheckpointLoadError(
-            info.location, [RankFailure.from_exception(coord.rank, Phase.LOAD, exc)]
-        ) from exc
+        failures = [RankFailure.from_exception(coord.rank, Phase.LOAD, exc)]
+        if isinstance(exc, UnsafeObjectError):
+            raise UnsafeCheckpointError(info.location, failures, exc.types) from exc
+        raise CheckpointLoadError(info.location, failures) from exc
+    for key in state:  # values DCP replaced rather than filled in place
+        state[key] = keyed[str(key)]
 
 
 def _template(metadata: Metadata, skeleton: Skeleton, prefix: tuple[str, ...]) -> Any:

@@ -29,12 +29,19 @@ log = logging.getLogger(__name__)
 
 
 def select_checkpoint(
-    storage: Storage, catalog: Catalog, coord: Coordinator, name: str | None, verify: str
+    storage: Storage,
+    catalog: Catalog,
+    coord: Coordinator,
+    name: str | None,
+    verify: str,
+    *,
+    run_id: str | None = None,
 ) -> CheckpointInfo | None:
     """The checkpoint to load, verified with ``verify``.
 
-    With ``name`` that checkpoint or an :class:`IntegrityError`. Without, the newest valid one
-    (walking back past corrupt ones, which are quarantined with a warning), or ``None``.
+    With ``name`` that checkpoint or an :class:`IntegrityError`. Without, the most recently
+    committed valid one (commit order, not step; only run ``run_id``'s when given), walking
+    back past corrupt ones, which are quarantined with a warning; or ``None``.
     """
     if name is not None:
         info = coord.broadcast(
@@ -50,13 +57,17 @@ def select_checkpoint(
         Phase.LOAD_SELECT, lambda: list(reversed(catalog.scan())), error=CheckpointLoadError
     )
     for info in candidates:
+        if run_id is not None and info.run_id != run_id:
+            continue  # another run sharing the directory: never resumed, never touched
         if info.status == INCOMPLETE:
             log.info("skipping %s: %s", info.location, info.problem)
             continue
         if info.unsupported:
             raise UnsupportedFormatError(info.problem or info.location)
         if info.status == CORRUPT:
-            if info.quarantine is None:
+            if info.untrusted:  # the key may be wrong: refuse, leave no lasting mark
+                _warn(info, "manifest", info.problem or "no valid HMAC", "it was skipped", 3)
+            elif info.quarantine is None:
                 _quarantine(catalog, coord, info, "manifest", info.problem or "unreadable")
             else:
                 log.info("skipping quarantined %s: %s", info.location, info.problem)
@@ -97,9 +108,12 @@ def _quarantine(
 
     if info.quarantine is None:
         coord.broadcast(Phase.LOAD_QUARANTINE, mark, error=CheckpointLoadError)
+    _warn(info, file, reason, "it was quarantined and kept for inspection", 4)
+
+
+def _warn(info: CheckpointInfo, file: str, reason: str, what: str, stacklevel: int) -> None:
     message = (
-        f"skipping corrupt checkpoint {info.location} (step {info.step}): {file}: {reason}; "
-        "it was quarantined and kept for inspection"
+        f"skipping corrupt checkpoint {info.location} (step {info.step}): {file}: {reason}; {what}"
     )
     log.warning(message)
-    warnings.warn(message, CorruptCheckpointWarning, stacklevel=3)
+    warnings.warn(message, CorruptCheckpointWarning, stacklevel=stacklevel)

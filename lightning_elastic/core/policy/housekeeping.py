@@ -1,26 +1,62 @@
-"""Deleting checkpoints, and the cleanup rank 0 runs after a durable commit.
+"""Deleting checkpoints, and collecting what crashed saves and concurrent writers leave.
 
-Which rank calls what: only the coordinator (rank 0) after it published a commit, or a tool
-(the CLI's ``prune``, a strategy's ``remove_checkpoint``) on one process. Nothing here is
+Which rank calls what: only the coordinator (rank 0) after it published a commit
+(:func:`after_commit`), or a tool on one process (the CLI's ``prune``, a strategy's
+``remove_checkpoint``: :func:`delete_checkpoint`, :func:`collect_garbage`). Nothing here is
 collective, and nothing here imports torch (the CLI uses it).
 
-Deleting goes manifest first, then data: a crash in between leaves an incomplete directory
-(cleaned later), never a committed checkpoint with missing files.
+Rules (docs/guarantees.md states them for users):
+
+* deleting goes manifest first, then data: a crash in between leaves an incomplete
+  directory, never a committed checkpoint with missing files;
+* a save that failed removes only its own files (its save id), and its directory only when
+  the directory's claim is its own;
+* a directory without a manifest is garbage when it is this run's and not the save in
+  flight, or - whoever left it - once it is older than the grace period (a save of another
+  job may still be writing it until then);
+* a committed directory's strays (files its manifest does not list: a claim left by a crash
+  between the manifest and the cleanup, ``manifest.json.tmp-*``) are removed after the grace
+  period (at once for the checkpoint just committed); the files a manifest lists are never
+  touched except by retention and ``prune``;
+* an empty folder with an engine-given name (``step_*``: a crash between creating it and
+  claiming it, or while retention removed it) and a lease's temporary file are removed after
+  the grace period;
+* a folder holding none of our files (logs, another tool's checkpoints) is never touched.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Sequence
 
-from lightning_elastic.core.format.catalog import INCOMPLETE, Catalog
-from lightning_elastic.core.format.manifest import MANIFEST_FILE, STAGING_FILE, Manifest
+from lightning_elastic.core.dist.lease import LEASES_DIR, lease_leftovers
+from lightning_elastic.core.format.catalog import (
+    INCOMPLETE,
+    Catalog,
+    CheckpointInfo,
+    is_checkpoint_name,
+)
+from lightning_elastic.core.format.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    STAGING_FILE,
+    Manifest,
+    StagingRecord,
+)
 from lightning_elastic.core.policy.retention import RetentionPolicy, plan_deletions
 from lightning_elastic.core.storage.base import Storage
 
-__all__ = ["after_commit", "delete_checkpoint", "discard_uncommitted"]
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "after_commit",
+    "collect_garbage",
+    "delete_checkpoint",
+    "discard_uncommitted",
+]
 
 log = logging.getLogger(__name__)
+DEFAULT_GRACE_S = 3600.0
 
 
 def delete_checkpoint(storage: Storage, catalog: Catalog, name: str) -> None:
@@ -30,19 +66,21 @@ def delete_checkpoint(storage: Storage, catalog: Catalog, name: str) -> None:
     storage.delete_tree(name)
 
 
-def discard_uncommitted(storage: Storage, name: str, *, keep_record: bool) -> None:
-    """Remove an uncommitted directory (never one that holds a manifest). With
-    ``keep_record`` the staging record stays, so a later save can still attribute whatever
-    ranks that never reported write there."""
+def discard_uncommitted(storage: Storage, name: str, save_id: str, *, keep_record: bool) -> None:
+    """After save ``save_id`` failed: remove what it wrote (never a manifest's directory).
+    With ``keep_record`` its claim stays, so ranks that never reported cannot write into a
+    directory another save could claim; garbage collection removes it later."""
     try:
         if storage.exists(f"{name}/{MANIFEST_FILE}"):
+            _remove_own(storage, name, save_id)  # a loser never touches a winner's files
             return
-        if not keep_record:
+        claim = _claim_of(storage, name)
+        if claim is not None and claim.save_id != save_id:
+            _remove_own(storage, name, save_id)  # the directory is someone else's
+        elif keep_record:
+            _remove_own(storage, name, save_id)
+        else:
             storage.delete_tree(name)
-            return
-        for entry in storage.listdir(name):
-            if entry.name != STAGING_FILE:
-                storage.delete(f"{name}/{entry.name}")
     except Exception:
         log.debug("could not remove uncommitted %s", name, exc_info=True)
 
@@ -56,25 +94,125 @@ def after_commit(
     run_id: str,
     retention: Sequence[RetentionPolicy],
     protected: Collection[str],
+    grace_s: float = DEFAULT_GRACE_S,
 ) -> None:
-    """After a durable commit of ``name``: drop its staging record and strays, this run's
-    leftovers of crashed saves, then what retention no longer keeps. Failures here never
-    undo the commit; they are logged as warnings."""
-    ckpt = storage.child(name)
+    """After a durable commit of ``name``: drop its claim and strays, collect leftovers, then
+    apply retention. Failures here never undo the commit; they are logged as warnings."""
     try:
-        keep = {f.path for f in manifest.files} | {MANIFEST_FILE}
-        for entry in ckpt.listdir():
-            if not entry.is_dir and entry.name not in keep:
-                ckpt.delete(entry.name)
+        _remove_strays(storage, name, manifest, grace_s=0.0, now=time.time())
+        collect_garbage(
+            storage, catalog, run_id=run_id, in_flight=(manifest.save_id,), grace_s=grace_s
+        )
         infos = catalog.scan()
-        for info in infos:
-            stale = info.staging is not None and info.staging.save_id != manifest.save_id
-            if info.status == INCOMPLETE and stale and info.run_id == run_id:
-                log.info("removing leftover of a crashed save: %s", info.location)
-                discard_uncommitted(storage, info.name, keep_record=False)
-        doomed = plan_deletions(infos, retention, run_id=run_id, protected=protected)
+        doomed = plan_deletions(infos, retention, run_id=run_id, protected={*protected, name})
         for info in doomed:
             log.info("retention: deleting %s (step %s)", info.location, info.step)
             delete_checkpoint(storage, catalog, info.name)
     except Exception as exc:
-        log.warning("cleanup after committing %s failed: %r", ckpt.display(), exc, exc_info=True)
+        log.warning("cleanup after committing %s failed: %r", name, exc, exc_info=True)
+
+
+def collect_garbage(
+    storage: Storage,
+    catalog: Catalog,
+    *,
+    run_id: str | None = None,
+    in_flight: Collection[str] = (),
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+    now: float | None = None,
+) -> list[str]:
+    """Remove leftovers (see the module rules); returns the locations removed."""
+    now = time.time() if now is None else now
+    removed = []
+    for info in catalog.scan():
+        if info.status == INCOMPLETE:
+            if _is_garbage(storage, info, run_id, in_flight, grace_s, now):
+                removed.append(info.location)
+                if not dry_run:
+                    log.info("removing leftover of a crashed save: %s", info.location)
+                    storage.delete_tree(info.name)
+        elif info.manifest is not None:
+            strays = _remove_strays(
+                storage, info.name, info.manifest, grace_s=grace_s, now=now, dry_run=dry_run
+            )
+            removed += [storage.display(f"{info.name}/{s}") for s in strays]
+    for rel in _empty_checkpoint_folders(storage, now - grace_s) + lease_leftovers(
+        storage, older_than=now - grace_s
+    ):
+        removed.append(storage.display(rel))
+        if not dry_run:
+            log.info("removing leftover %s", storage.display(rel))
+            if rel.startswith(LEASES_DIR):
+                storage.delete(rel)
+            else:
+                storage.delete_tree(rel)
+    return removed
+
+
+def _empty_checkpoint_folders(storage: Storage, older_than: float) -> list[str]:
+    out = []
+    for entry in storage.listdir():
+        if entry.is_dir and is_checkpoint_name(entry.name):
+            stale = entry.mtime is not None and entry.mtime < older_than
+            if stale and not storage.listdir(entry.name):
+                out.append(entry.name)
+    return out
+
+
+def _is_garbage(
+    storage: Storage,
+    info: CheckpointInfo,
+    run_id: str | None,
+    in_flight: Collection[str],
+    grace_s: float,
+    now: float,
+) -> bool:
+    staging = info.staging
+    if staging is not None and staging.save_id in in_flight:
+        return False
+    if staging is not None and run_id is not None and staging.run_id == run_id:
+        return True  # this run's own crashed save (a stale copy of the job is fenced)
+    born = staging.created_unix if staging is not None else _newest_mtime(storage, info.name)
+    return born is not None and now - born > grace_s
+
+
+def _remove_strays(
+    storage: Storage,
+    name: str,
+    manifest: Manifest,
+    *,
+    grace_s: float,
+    now: float,
+    dry_run: bool = False,
+) -> list[str]:
+    keep = {f.path for f in manifest.files} | {MANIFEST_FILE, QUARANTINE_FILE}
+    strays = []
+    for entry in storage.listdir(name):
+        if entry.name in keep or entry.is_dir:
+            continue
+        if grace_s > 0 and (entry.mtime is None or now - entry.mtime <= grace_s):
+            continue
+        strays.append(entry.name)
+        if not dry_run:
+            storage.delete(f"{name}/{entry.name}")
+    return strays
+
+
+def _remove_own(storage: Storage, name: str, save_id: str) -> None:
+    for entry in storage.listdir(name):
+        if entry.name.startswith(f"{save_id}-"):
+            storage.delete(f"{name}/{entry.name}")
+
+
+def _claim_of(storage: Storage, name: str) -> StagingRecord | None:
+    try:
+        rel = f"{name}/{STAGING_FILE}"
+        return StagingRecord.from_json(storage.read_bytes(rel), storage.display(rel))
+    except Exception:
+        return None
+
+
+def _newest_mtime(storage: Storage, name: str) -> float | None:
+    times = [e.mtime for e in storage.listdir(name) if e.mtime is not None]
+    return max(times) if times else None

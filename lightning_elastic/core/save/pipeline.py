@@ -70,6 +70,7 @@ def finish_save(
         ctx.channel.ack(planned.save_id)
     if not decision.committed:
         raise decision.error(what)
+    ctx.parent = planned.name  # the next save continues this one
     if manifest is not None:
         after_commit(
             ctx.storage,
@@ -79,6 +80,7 @@ def finish_save(
             run_id=ctx.run_id,
             retention=ctx.retention,
             protected=ctx.protected,
+            grace_s=ctx.leftover_grace_s,
         )
     return SaveResult(
         name=planned.name,

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from lightning_elastic.core.format.catalog import checkpoint_name
+from lightning_elastic.core.dist.lease import take_lease
+from lightning_elastic.core.format.catalog import checkpoint_name, holds_checkpoint_files
 from lightning_elastic.core.format.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
@@ -41,6 +42,7 @@ __all__ = ["PlanCache", "plan_save"]
 
 if TYPE_CHECKING:
     from lightning_elastic.core.save.request import SaveContext, SaveRequest
+    from lightning_elastic.core.storage.base import Storage
 
 
 @dataclass
@@ -81,14 +83,11 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
     attempt, save_int, name_error = 0, 0, None
     if coord.is_coordinator:
         try:
-            attempt = _choose_attempt(ctx, request)
+            if ctx.lease is None or ctx.lease.run_id != ctx.run_id:
+                ctx.lease = take_lease(ctx.storage, ctx.run_id)
             save_int = secrets.randbits(63)
-            name = _name(request, attempt)
             record = StagingRecord(ctx.run_id, f"{save_int:016x}", request.step, time.time())
-            # advisory (attribution of leftovers): no fsync on the caller's critical path
-            ctx.storage.write_bytes(
-                f"{name}/{STAGING_FILE}", record.to_json().encode(), durable=False
-            )
+            attempt = _claim(ctx, request, record)
         except Exception as exc:
             name_error = exc
     changed, attempt, save_int = coord.max_ints(
@@ -149,9 +148,14 @@ def _name(request: SaveRequest, attempt: int) -> str:
     return checkpoint_name(request.step, attempt)
 
 
-def _choose_attempt(ctx: SaveContext, request: SaveRequest) -> int:
-    """Rank 0: 0 for the plain name, n for ``-n`` when a committed checkpoint holds it."""
+def _claim(ctx: SaveContext, request: SaveRequest, record: StagingRecord) -> int:
+    """Rank 0: claim the save's directory by creating its staging record exclusively (and
+    durably), so no two saves - of this job, a stale copy of it, or another run sharing the
+    root - ever write into one directory. Returns 0 for the plain name, n for ``-n``: a
+    directory that holds a checkpoint (committed, quarantined, or an abandoned branch's) or
+    another save's claim is never written again."""
     storage = ctx.storage
+    body = record.to_json().encode()
     if request.name is not None:
         name = request.name.strip("/")
         if storage.exists(f"{name}/{MANIFEST_FILE}"):
@@ -162,11 +166,29 @@ def _choose_attempt(ctx: SaveContext, request: SaveRequest) -> int:
                 )
             storage.delete(f"{name}/{MANIFEST_FILE}")  # uncommit first, then replace
             ctx.catalog.forget(name)
+        if request.overwrite:
+            storage.delete(f"{name}/{STAGING_FILE}")  # the replaced save's (or a crashed) claim
+        storage.write_bytes(f"{name}/{STAGING_FILE}", body, exclusive=True)
         return 0
     for attempt in range(1000):
         name = checkpoint_name(request.step, attempt)
-        if not (
-            storage.exists(f"{name}/{MANIFEST_FILE}") or storage.exists(f"{name}/{QUARANTINE_FILE}")
-        ):
-            return attempt
+        if storage.exists(f"{name}/{MANIFEST_FILE}") or storage.exists(f"{name}/{QUARANTINE_FILE}"):
+            continue
+        try:
+            storage.write_bytes(f"{name}/{STAGING_FILE}", body, exclusive=True)
+        except CheckpointExistsError:
+            continue  # another save holds it (in flight, or crashed and not yet collected)
+        if not _claimed_alone(storage, name):
+            storage.delete(f"{name}/{STAGING_FILE}")  # give it back untouched
+            continue
+        return attempt
     raise CheckpointExistsError(f"too many checkpoints of step {request.step}")
+
+
+def _claimed_alone(storage: Storage, name: str) -> bool:
+    """Our claim is in ``name`` and no other save's file is. Between the check above and the
+    claim, another save may have committed there and released its claim, or retention may
+    be deleting a checkpoint there (manifest already gone): writing into either would mix
+    two saves in one directory."""
+    names = {e.name for e in storage.listdir(name)}
+    return STAGING_FILE in names and not holds_checkpoint_files(names - {STAGING_FILE})

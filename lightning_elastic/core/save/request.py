@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from lightning_elastic.core.dist.channel import CommitChannel
     from lightning_elastic.core.dist.coordinator import Coordinator
+    from lightning_elastic.core.dist.lease import Lease
     from lightning_elastic.core.format.catalog import Catalog
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.format.skeleton import Skeleton
@@ -47,6 +48,9 @@ class SaveContext:
     protected: set[str] = field(default_factory=set)
     resumed_from: str | None = None
     plan_cache: PlanCache | None = None
+    lease: Lease | None = None  # rank 0: this job's claim to write the run
+    parent: str | None = None  # the checkpoint the next save continues (lineage)
+    leftover_grace_s: float = 1200.0  # age after which anyone's leftovers are garbage
 
 
 @dataclass(frozen=True)

@@ -163,9 +163,13 @@ def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostA
     image = arena.reserve(size)
     placed = []
     needs_sync = False
+    end = 0
     for i, item in enumerate(items):
         offset, length = offsets[i], lengths[i]
-        target = image[offset : offset + length]
+        if offset > end:  # alignment padding: zero it, a reused arena holds older bytes
+            image[end:offset].zero_()
+        end = offset + length
+        target = image[offset:end]
         if i in objects:
             target.copy_(torch.frombuffer(objects[i], dtype=torch.uint8))
         elif length:
@@ -176,6 +180,8 @@ def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostA
             view.copy_(source, non_blocking=source.device.type == "cuda")
             needs_sync = needs_sync or source.device.type == "cuda"
         placed.append(PayloadItem(item, offset, length, _arena_view(target)))
+    if size > end:
+        image[end:size].zero_()
     if needs_sync:
         torch.cuda.synchronize()
     return Payload(tuple(placed), size, _arena_view(image))

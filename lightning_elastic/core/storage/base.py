@@ -43,12 +43,14 @@ class Written:
 
 @dataclass(frozen=True)
 class Entry:
-    """One directory entry. ``is_link``: a symbolic link (never followed; ``is_dir`` False)."""
+    """One directory entry. ``is_link``: a symbolic link (never followed; ``is_dir`` False);
+    ``mtime``: last modification (Unix seconds) when the backend reports it."""
 
     name: str
     is_dir: bool
     size: int
     is_link: bool = False
+    mtime: float | None = None
 
 
 def check_rel_path(rel: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -118,6 +119,8 @@ class FsspecStorage(Storage):
             fs.invalidate_cache(parent)
             if fs.exists(path):
                 raise CheckpointExistsError(f"{path} already exists")
+            if not self.is_object_store:
+                return self._write_then_rename(path, chunks, checksum)
         try:
             handle = fs.open(path, "xb" if exclusive else "wb")
         except FileExistsError:
@@ -139,6 +142,29 @@ class FsspecStorage(Storage):
         except FileExistsError:
             raise CheckpointExistsError(f"{path} already exists") from None
         fs.invalidate_cache(parent)
+        return written
+
+    def _write_then_rename(
+        self, path: str, chunks: Iterable[Buffer], checksum: str | None
+    ) -> Written:
+        """Exclusive publish on filesystems that are not object stores (SFTP, HDFS, ...):
+        their files are visible while being written, so write a temporary name and rename
+        it. fsspec has no rename-if-absent: a writer racing between the check and the
+        rename could replace the file, which the claim of the directory (one writer per
+        directory) rules out for our own files."""
+        fs = self.fs
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            with fs.open(tmp, "wb") as handle:
+                written = drain(chunks, checksum, handle.write)
+            fs.invalidate_cache(path.rsplit("/", 1)[0])
+            if fs.exists(path):
+                raise CheckpointExistsError(f"{path} already exists")
+            fs.mv(tmp, path)
+        finally:
+            with contextlib.suppress(Exception):
+                if fs.exists(tmp):
+                    fs.rm_file(tmp)
         return written
 
     # ------------------------------------------------------------------ reads
@@ -230,7 +256,7 @@ class FsspecStorage(Storage):
                     out.append(Entry(name, False, 0, is_link=True))
                     continue
                 is_dir = info.get("type") == "directory"
-                out.append(Entry(name, is_dir, int(info.get("size") or 0)))
+                out.append(Entry(name, is_dir, int(info.get("size") or 0), mtime=_mtime(info)))
             return out
 
         result: list[Entry] = self._call("list", rel, ls)
@@ -249,3 +275,17 @@ class FsspecStorage(Storage):
         with contextlib.suppress(FileNotFoundError, OSError):
             self.fs.rmdir(path)
         self.fs.invalidate_cache(path)
+
+
+def _mtime(info: Mapping[str, Any]) -> float | None:
+    """Modification time from an fsspec listing (``mtime``, S3's ``LastModified``, ...)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        timestamp = getattr(value, "timestamp", None)  # datetime
+        if callable(timestamp):
+            return float(timestamp())
+    return None

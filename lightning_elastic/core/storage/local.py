@@ -199,12 +199,16 @@ class LocalStorage(Storage):
                 return []
             entries = []
             for item in os.scandir(path):
+                try:
+                    stat = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed since the listing (a concurrent save's cleanup)
                 if item.is_symlink():
-                    entries.append(Entry(item.name, False, 0, is_link=True))
+                    entries.append(Entry(item.name, False, 0, is_link=True, mtime=stat.st_mtime))
                     continue
                 is_dir = item.is_dir(follow_symlinks=False)
-                size = 0 if is_dir else item.stat(follow_symlinks=False).st_size
-                entries.append(Entry(item.name, is_dir, size))
+                size = 0 if is_dir else stat.st_size
+                entries.append(Entry(item.name, is_dir, size, mtime=stat.st_mtime))
             return entries
 
         result: list[Entry] = self._call("list", rel, ls)

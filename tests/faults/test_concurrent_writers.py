@@ -1,0 +1,489 @@
+"""Concurrent writers never corrupt anything (issue #8, item 1).
+
+Two jobs write into one root at once - two runs sharing a ``dirpath``, a requeued job whose old
+copy still runs, two 2-rank jobs, both saving the same steps at the same moment - on local
+disk and on a real S3 protocol server (moto). After they finish, the root is audited
+independently of what the jobs believed:
+
+* every save either returned a committed result or raised a typed ``ElasticCheckpointError``,
+  and all ranks of a job saw the same outcome;
+* every checkpoint in the root was reported committed by exactly the save that wrote it, and
+  verifies with full checksums; every committed one still present has exactly the files it
+  had right after its commit, all named after its save id (DCP metadata included);
+* a run's checkpoints disappear only through its own retention: each run's two newest commits
+  survive, and ``load`` of a run picks that run's newest;
+* a stale copy of a run is fenced: once the newer job holds the lease, the old one commits
+  nothing, and its refusal (``StaleWriterError``) names the newer writer.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import socket
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_elastic import cli
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.engine import CheckpointEngine
+from lightning_elastic.core.format.catalog import VALID, Catalog
+from lightning_elastic.core.format.integrity import verify_files
+from lightning_elastic.core.format.manifest import MANIFEST_FILE
+from lightning_elastic.core.policy.retention import KeepLastN
+from lightning_elastic.core.save.request import SaveResult
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.errors import (
+    ElasticCheckpointError,
+    StaleWriterError,
+)
+from lightning_elastic.testing.s3 import S3Server
+from lightning_elastic.testing.spawn import run_distributed
+from tests.faults.concurrent_workers import (
+    JobReport,
+    JobSpec,
+    SaveOutcome,
+    hooked,
+    run_job,
+    state_for,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = tuple(range(1, 31))
+JOB_TIMEOUT_S = 120.0
+_buckets = itertools.count()
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class Backend:
+    root: str
+    options: dict[str, Any]
+    cli_options: tuple[str, ...] = ()
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "local":
+        return Backend(str(tmp_path / "ckpts"), {})
+    server: S3Server = request.getfixturevalue("s3_server")
+    root = server.create_bucket(f"concurrent-{next(_buckets)}") + "/ckpts"
+    options = [f"endpoint_url={server.endpoint_url}", "key=testing", "secret=testing"]
+    return Backend(root, server.storage_options, tuple(a for o in options for a in ("-o", o)))
+
+
+@pytest.fixture
+def sync_dir(tmp_path: Path) -> str:
+    path = tmp_path / "sync"
+    path.mkdir()
+    return str(path)
+
+
+# --------------------------------------------------------------------------- running jobs
+
+
+def run_jobs(jobs: Sequence[tuple[JobSpec, int]]) -> dict[str, list[JobReport]]:
+    """Run every ``(spec, world_size)`` job at once (one thread per job, each job's ranks in
+    fresh processes that are killed when the job ends or times out); every rank's report."""
+    results: list[list[JobReport] | BaseException | None] = [None] * len(jobs)
+
+    def run(i: int, spec: JobSpec, world: int) -> None:
+        try:
+            results[i] = run_distributed(run_job, world, spec, timeout=JOB_TIMEOUT_S)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [
+        threading.Thread(target=run, args=(i, spec, world), daemon=True)
+        for i, (spec, world) in enumerate(jobs)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOB_TIMEOUT_S + 30)
+    reports = {}
+    for (spec, _), result in zip(jobs, results, strict=True):
+        if not isinstance(result, list):
+            raise AssertionError(f"job {spec.job} did not finish: {result!r}")
+        reports[spec.job] = result
+    return reports
+
+
+def spec(backend: Backend, sync_dir: str, run_id: str, job: str, **kw: Any) -> JobSpec:
+    defaults: dict[str, Any] = {"steps": STEPS, "peers": ("a", "b")}
+    return JobSpec(
+        root=backend.root,
+        storage_options=backend.options,
+        run_id=run_id,
+        job=job,
+        sync_dir=sync_dir,
+        **{**defaults, **kw},
+    )
+
+
+# --------------------------------------------------------------------------- the audit
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A save its job reported committed (rank 0's view)."""
+
+    job: str
+    run_id: str
+    outcome: SaveOutcome
+
+    @property
+    def key(self) -> tuple[str, str]:
+        assert self.outcome.save_id is not None
+        return self.run_id, self.outcome.save_id
+
+
+@dataclass
+class Audit:
+    problems: list[str] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
+    present: dict[tuple[str, str], str] = field(default_factory=dict)  # (run, save id) -> dir
+
+    def check(self, ok: bool, problem: str) -> None:
+        if not ok:
+            self.problems.append(problem)
+
+    def assert_clean(self) -> None:
+        """Fail on any violation; a run whose only violations are known bugs' symptoms is an
+        expected failure naming them."""
+        assert not self.problems, f"{len(self.problems)} violation(s):\n" + "\n".join(self.problems)
+
+    def runs(self) -> dict[str, list[Commit]]:
+        """Each run's commits, oldest first (one job's saves are sequential; two jobs of one
+        run never commit at once, so the order of completion is the commit order)."""
+        out: dict[str, list[Commit]] = defaultdict(list)
+        for c in sorted(self.commits, key=lambda c: c.outcome.finished):
+            out[c.run_id].append(c)
+        return out
+
+
+def audit(backend: Backend, reports: dict[str, list[JobReport]]) -> Audit:
+    """Check the root against what every job reported (see the module docstring)."""
+    result = Audit()
+    for job, ranks in reports.items():
+        _check_outcomes(result, job, ranks)
+    storage = Storage(backend.root, storage_options=backend.options)
+    committed = {c.key: c for c in result.commits}
+    for info in Catalog(storage).scan():
+        if info.status != VALID or info.manifest is None:
+            result.problems.append(f"{info.name} is {info.status}: {info.problem}")
+            continue
+        manifest = info.manifest
+        key = (manifest.run_id, manifest.save_id)
+        result.present[key] = info.name
+        bad = verify_files(storage.child(info.name), manifest, "full")
+        result.check(not bad, f"{info.name} does not verify: {bad}")
+        listing = {e.name: e.size for e in storage.listdir(info.name) if not e.is_dir}
+        expected = {f.path for f in manifest.files} | {MANIFEST_FILE}
+        result.check(
+            set(listing) == expected,
+            f"{info.name}: files {sorted(listing)} are not its manifest's {sorted(expected)}",
+        )
+        commit = committed.get(key)
+        if commit is None:
+            result.problems.append(
+                f"{info.name}: a checkpoint of run {manifest.run_id} (save {manifest.save_id}, "
+                f"generation {manifest.generation}) that no save reported committed"
+            )
+            continue
+        result.check(
+            commit.outcome.name == info.name,
+            f"{info.name} was committed as {commit.outcome.name}",
+        )
+        before = commit.outcome.listing or {}
+        result.check(
+            before == listing,
+            f"{info.name} changed after its commit: {before} -> {listing}",
+        )
+    for run_id, commits in result.runs().items():
+        for c in commits[-2:]:  # KeepLastN(2): a run's newest two survive anything else
+            result.check(
+                c.key in result.present,
+                f"{c.outcome.name} (run {run_id}, step {c.outcome.step}) was deleted although "
+                "it is one of its run's two newest",
+            )
+    return result
+
+
+def _check_outcomes(result: Audit, job: str, ranks: list[JobReport]) -> None:
+    seen = [[(o.step, o.name, o.error_type) for o in r.outcomes] for r in ranks]
+    result.check(all(s == seen[0] for s in seen), f"job {job}: ranks disagree: {seen}")
+    for r in ranks:
+        for o in r.outcomes:
+            result.check(o.typed, f"job {job} rank {r.rank} step {o.step}: untyped {o.message}")
+    for o in ranks[0].outcomes:
+        if o.name is None:
+            continue
+        result.commits.append(Commit(job, ranks[0].run_id, o))
+        assert o.save_id is not None and o.listing is not None
+        foreign = [f for f in o.listing if f != MANIFEST_FILE and not f.startswith(o.save_id)]
+        result.check(
+            not foreign,
+            f"{o.name}: right after its commit it held other files: {foreign}",
+        )
+
+
+def newest_loads(backend: Backend, run_id: str, commit: Commit) -> None:
+    """``load`` with the run's id picks that run's newest commit, with its content."""
+    engine = CheckpointEngine(
+        backend.root,
+        storage_options=backend.options,
+        coordinator=Coordinator.single_process(),
+        run_id=run_id,
+    )
+    with engine:
+        loaded = engine.load(None, trusted=True)
+    assert loaded.info.name == commit.outcome.name
+    assert loaded.state is not None
+    expected = state_for(commit.outcome.step, commit.job)
+    assert loaded.state["meta"] == expected["meta"]
+    assert loaded.state["w"].equal(expected["w"])
+
+
+def cli_verifies(backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    code = cli.main(["verify", backend.root, *backend.cli_options])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+
+
+def conclude(
+    result: Audit, backend: Backend, capsys: pytest.CaptureFixture[str], runs: set[str]
+) -> None:
+    """Unless the audit already failed: each run's newest commit is what ``load`` picks for
+    that run id, and the CLI verifies the whole root. Then the audit's verdict."""
+    if not result.problems:
+        by_run = result.runs()
+        assert set(by_run) == runs, f"runs that committed: {sorted(by_run)}"
+        for run_id, commits in by_run.items():
+            newest_loads(backend, run_id, commits[-1])
+        cli_verifies(backend, capsys)
+    result.assert_clean()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_two_runs_share_a_root(
+    backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two single-process runs (different run ids, keep-last-2) save 30 steps each into one
+    root at once."""
+    jobs = [
+        (spec(backend, sync_dir, "run-a", "a"), 1),
+        (spec(backend, sync_dir, "run-b", "b", async_save=True), 1),
+    ]
+    conclude(audit(backend, run_jobs(jobs)), backend, capsys, {"run-a", "run-b"})
+
+
+def test_requeued_job_fences_its_old_copy(
+    backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same run twice: the old copy (a) keeps saving while its requeued copy (b) resumes from
+    the run's newest checkpoint and saves 30 steps. b's load takes a newer lease; from then on
+    every save of a is refused with StaleWriterError naming b, and b wins."""
+    old = spec(backend, sync_dir, "run-r", "a", async_save=True, pause_s=0.03)
+    new = spec(backend, sync_dir, "run-r", "b", after=("a", 3), resume=True)
+    reports = run_jobs([(old, 1), (new, 1)])
+    (a,), (b,) = reports["a"], reports["b"]
+    assert b.leased_at is not None and b.resumed is not None
+    a_generations = {o.generation for o in a.outcomes if o.name is not None}
+    b_generations = {o.generation for o in b.outcomes}
+    assert len(a_generations) == 1 and len(b_generations) == 1, (a_generations, b_generations)
+    (a_gen,), (b_gen,) = a_generations, b_generations
+    assert a_gen is not None and b_gen is not None and b_gen > a_gen
+    assert [o.error_type for o in b.outcomes] == [None] * len(STEPS), "the newer job wins"
+
+    after = [o for o in a.outcomes if o.started > b.leased_at]
+    assert after, "the old copy never saved after the new one took over: nothing was tested"
+    assert all(o.name is None for o in after), [o.name for o in after if o.name]
+    stale = [o for o in after if o.error_type == StaleWriterError.__name__]
+    assert stale, f"no StaleWriterError: {[(o.error_type, o.message) for o in after]}"
+    for o in stale:
+        newer = f"generation {b_gen} (host {socket.gethostname()}, pid {b.pid},"
+        assert newer in o.message, o.message
+
+    result = audit(backend, reports)
+    for o in after:
+        result.check(
+            o.error_type == StaleWriterError.__name__,
+            f"old copy, step {o.step}: {o.error_type}: {o.message}",
+        )
+    for key, name in result.present.items():
+        commit = next(c for c in result.commits if c.key == key)
+        result.check(
+            commit.job == "b" or commit.outcome.started < b.leased_at,
+            f"{name}: committed by the old copy after the new one took over",
+        )
+    conclude(result, backend, capsys, {"run-r"})
+
+
+def test_two_two_rank_jobs_share_a_root(
+    tmp_path: Path, sync_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two 2-rank jobs (4 gloo processes) of different runs save 30 steps into one local root
+    at once; every rank of a job sees the same outcome of every save."""
+    local = Backend(str(tmp_path / "ckpts"), {})
+    jobs = [
+        (spec(local, sync_dir, "run-a", "a", async_save=True), 2),
+        (spec(local, sync_dir, "run-b", "b"), 2),
+    ]
+    reports = run_jobs(jobs)
+    assert [len(reports[j]) for j in ("a", "b")] == [2, 2]
+    conclude(audit(local, reports), local, capsys, {"run-a", "run-b"})
+
+
+def test_same_steps_at_the_same_moment(
+    tmp_path: Path, sync_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs meet before every step, so both claim ``step_N`` at the same moment: one gets
+    the plain name and the other a suffix (or a typed error, cleaning only its own files), and
+    no committed checkpoint's files change afterwards (the audit compares every directory with
+    its listing right after the commit)."""
+    local = Backend(str(tmp_path / "ckpts"), {})
+    jobs = [
+        (spec(local, sync_dir, "run-a", "a", lockstep=True), 1),
+        (spec(local, sync_dir, "run-b", "b", lockstep=True, async_save=True), 1),
+    ]
+    reports = run_jobs(jobs)
+    result = audit(local, reports)
+    names: dict[int, list[str]] = defaultdict(list)
+    for c in result.commits:
+        names[c.outcome.step].append(str(c.outcome.name))
+    for step, taken in names.items():
+        result.check(len(set(taken)) == len(taken), f"step {step}: one name, two commits: {taken}")
+    suffixed = [n for taken in names.values() for n in taken if "-" in n]
+    failed = [o for r in (*reports["a"], *reports["b"]) for o in r.outcomes if o.name is None]
+    assert suffixed or failed, "no step collided: nothing was tested"
+    conclude(result, local, capsys, {"run-a", "run-b"})
+
+
+# --------------------------------------------------------------------------- exact interleavings
+#
+# The runs above interleave two jobs as the scheduler pleases. The races below have windows too
+# narrow to hit reliably that way, so one job's storage operation runs the other job's step at
+# exactly the wrong moment, in one process.
+
+
+def engine(
+    run_id: str, *, root: Path | None = None, storage: Storage | None = None, keep: int = 0
+) -> CheckpointEngine:
+    """A one-process engine that saves synchronously (``keep``: ``KeepLastN(keep)``)."""
+    return CheckpointEngine(
+        None if root is None else str(root),
+        storage=storage,
+        coordinator=Coordinator.single_process(),
+        run_id=run_id,
+        retention=[KeepLastN(keep)] if keep else [],
+        async_save=False,
+    )
+
+
+def save(eng: CheckpointEngine, step: int, job: str) -> SaveResult:
+    handle = eng.save(state_for(step, job), step=step)
+    assert handle is not None
+    return handle.result()
+
+
+def listing(root: Path, name: str) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (root / name).iterdir()}
+
+
+def test_claim_racing_a_commit_leaves_the_winner_untouched(tmp_path: Path) -> None:
+    """y finds ``step_5`` free; before y's claim lands, x claims, commits and releases
+    ``step_5``, so y's exclusive claim succeeds in x's committed directory. y must end up with
+    a name of its own or a typed error, and x's directory must stay as x committed it."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+    seen: dict[str, Any] = {}
+    with engine("run-x", root=root) as x, engine("run-y", storage=storage) as y:
+
+        def x_commits() -> None:
+            seen["x"] = save(x, 5, "x").name
+            seen["listing"] = listing(root, seen["x"])
+
+        storage.hooks["before-write:step_000000005/_staging.json"] = x_commits
+        try:
+            seen["y"] = save(y, 5, "y").name
+        except ElasticCheckpointError as exc:
+            seen["y"] = exc
+    assert seen["x"] == "step_000000005"
+    assert seen["y"] != seen["x"]
+    assert listing(root, seen["x"]) == seen["listing"], (
+        "the loser left a file in the winner's committed directory"
+    )
+
+
+def test_retention_spares_a_checkpoint_committed_under_the_freed_name(tmp_path: Path) -> None:
+    """x's retention deletes x's ``step_1``: the manifest first, then the directory. In between,
+    run y (lagging behind, saving step 1) finds ``step_1`` free, claims it and commits there.
+    x's retention must not delete y's committed checkpoint."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+    seen: dict[str, Any] = {}
+    with engine("run-x", storage=storage, keep=1) as x, engine("run-y", root=root) as y:
+        save(x, 1, "x")
+
+        def y_commits() -> None:
+            try:
+                seen["y"] = save(y, 1, "y").name
+            except Exception as exc:  # x's cleanup would swallow it
+                seen["y"] = exc
+
+        storage.hooks["delete:step_000000001/manifest.json"] = y_commits
+        save(x, 2, "x")  # retention deletes step_1; y commits step 1 meanwhile
+    assert isinstance(seen["y"], str), seen["y"]
+    manifest = root / seen["y"] / MANIFEST_FILE
+    assert manifest.exists(), f"y's committed {seen['y']} was deleted by x's retention"
+    info = Catalog(Storage(str(root))).info(seen["y"])
+    assert info.status == VALID and info.manifest is not None and info.run_id == "run-y"
+    assert not verify_files(Storage(str(root)).child(info.name), info.manifest, "full")
+
+
+def test_a_save_survives_another_runs_retention_during_its_commit(tmp_path: Path) -> None:
+    """y's commit scans the root (for the commit sequence) while x's retention deletes one of
+    x's checkpoints between y's listing of it and y's read of its manifest. y's save has
+    nothing to do with that checkpoint and must commit."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+    with engine("run-x", root=root, keep=1) as x, engine("run-y", storage=storage) as y:
+        save(x, 1, "x")
+
+        def x_commits_and_prunes() -> None:
+            save(x, 2, "x")
+
+        storage.hooks["listdir:step_000000001"] = x_commits_and_prunes
+        assert save(y, 7, "y").name == "step_000000007"
+    assert not (root / "step_000000001").exists(), "x's retention ran"
+
+
+def test_a_stale_writer_learns_it_is_stale_whatever_else_fails(tmp_path: Path) -> None:
+    """The old copy (a) writes while its requeued copy (b) holds the run. The newer job's
+    cleanup removes a's in-flight directory under it, so a's shard write fails (emulated:
+    ENOENT, as in the concurrent runs above). a's save must still raise StaleWriterError."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+    with engine("run-r", storage=storage) as a, engine("run-r", root=root) as b:
+        save(a, 1, "a")
+        b.load(None, trusted=True)  # the requeued copy resumes: a newer lease
+
+        def removed_under_it() -> None:
+            raise FileNotFoundError(errno.ENOENT, "removed by the newer job's cleanup")
+
+        storage.hooks["before-write:*-rank00000.distcp"] = removed_under_it
+        with pytest.raises(StaleWriterError, match="a newer job holds generation 2"):
+            save(a, 2, "a")
