@@ -11,29 +11,144 @@ rank writes only its partition and the union is the whole state; the hyperparame
 same on every rank and written once. Loading at any world size gives every parameter's state to
 its new owner, unchanged; a plain (replicated) optimizer state loads into a sharded optimizer
 and the other way round.
+
+The sharded optimizer is built from the class's constructor, not from ``optimizer.defaults``:
+the two differ (``AdamW`` keeps ``decoupled_weight_decay`` in its defaults, a key its
+``__init__`` refuses), so only the defaults the constructor accepts are passed, and every
+parameter group's hyperparameters are then copied over from the original groups. A user's
+optimizer whose constructor cannot be called that way is refused with a ``ConfigError`` that
+names the class and the argument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import track_scheduler_steps
 
-__all__ = ["load_optimizer", "optimizer_state", "repoint_scheduler", "shard"]
+__all__ = [
+    "constructor_arguments",
+    "load_optimizer",
+    "optimizer_state",
+    "repoint_scheduler",
+    "shard",
+]
+
+_EMPTY = inspect.Parameter.empty
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# ZeroRedundancyOptimizer's own keywords: a default with one of these names would be taken
+# by the wrapper instead of reaching the optimizer
+_ZERO_KEYWORDS = frozenset(
+    a.name
+    for a in inspect.signature(ZeroRedundancyOptimizer).parameters.values()
+    if a.kind in _NAMED
+)
+# attributes every optimizer has: an __init__ argument of that name is not "kept" in them
+_OPTIMIZER_ATTRIBUTES = frozenset({"defaults", "state", "param_groups"})
 
 
 def shard(optimizer: Optimizer) -> ZeroRedundancyOptimizer:
     """Wrap ``optimizer`` (not stepped yet) in a ``ZeroRedundancyOptimizer`` of its class,
-    with the same parameter groups and hyperparameters."""
+    with the same parameter groups and hyperparameters.
+
+    Raises:
+        ConfigError: the optimizer's class cannot be rebuilt from its ``defaults``.
+    """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
-    groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+    originals = [dict(group) for group in optimizer.param_groups]
+    kwargs = constructor_arguments(optimizer)
+    try:
+        sharded = ZeroRedundancyOptimizer(
+            [dict(group) for group in originals], optimizer_class=type(optimizer), **kwargs
+        )
+    except TypeError as e:  # the same on every rank: construction runs no collective
+        raise ConfigError(
+            f"shard_optimizer_state=True rebuilds {_qualname(optimizer)} from its defaults "
+            f"with {sorted(kwargs)}, and that failed: {e}. Accept these keyword arguments "
+            f"in __init__, or train without shard_optimizer_state"
+        ) from e
+    # a constructor may rewrite what it was given; the user's groups are the truth
+    _restore_hyperparameters(sharded.param_groups, originals)
+    _restore_hyperparameters(sharded.optim.param_groups, originals)
+    return sharded
+
+
+def constructor_arguments(optimizer: Optimizer) -> dict[str, Any]:
+    """The keyword arguments, taken from ``optimizer.defaults``, that build another optimizer
+    of its class: those its ``__init__`` accepts (following ``**kwargs`` up the base classes
+    that forward them; all of them where they may land in ``Optimizer``'s defaults).
+
+    Raises:
+        ConfigError: an ``__init__`` argument the defaults cannot supply is required, or was
+            given a value (kept as an attribute of that name) other than its default.
+    """
+    cls = type(optimizer)
+    own = list(inspect.signature(cls).parameters.values())[1:]  # after the parameters
+    for arg in own:
+        if arg.name in optimizer.defaults or arg.kind not in (*_NAMED, arg.POSITIONAL_ONLY):
+            continue
+        kept = vars(optimizer) if arg.name not in _OPTIMIZER_ATTRIBUTES else {}
+        value = kept.get(arg.name, arg.default)
+        if arg.default is _EMPTY or _differs(value, arg.default):
+            state = "is required" if arg.default is _EMPTY else f"was given {value!r}"
+            raise ConfigError(
+                f"shard_optimizer_state=True rebuilds {_qualname(optimizer)} from its "
+                f"defaults, but its __init__ argument {arg.name!r} {state} and is not in "
+                f"optimizer.defaults: store it there (Optimizer.__init__(params, defaults)), "
+                f"or train without shard_optimizer_state"
+            )
+    accepted, open_kwargs = _accepted_keywords(cls)
+    kwargs = {k: v for k, v in optimizer.defaults.items() if open_kwargs or k in accepted}
+    clashes = sorted(_ZERO_KEYWORDS & set(kwargs))
+    if clashes:
+        raise ConfigError(
+            f"shard_optimizer_state=True cannot pass {_qualname(optimizer)}'s argument(s) "
+            f"{clashes}: ZeroRedundancyOptimizer takes these names itself"
+        )
+    return kwargs
+
+
+def _accepted_keywords(cls: type) -> tuple[set[str], bool]:
+    """The keyword names ``cls(params, **kw)`` accepts, and whether it accepts any keyword.
+
+    A ``**kwargs`` is followed to the next ``__init__`` up the MRO (``class MyAdamW(AdamW)``
+    with ``__init__(self, params, **kwargs)`` forwards to ``AdamW``); one that stays open up
+    to ``Optimizer`` is taken to feed the defaults, so it accepts every key of them.
+    """
+    accepted: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is Optimizer or klass is object:
+            return accepted, True
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        args = list(inspect.signature(init).parameters.values())[2:]  # self, params
+        accepted |= {a.name for a in args if a.kind in _NAMED}
+        if not any(a.kind is a.VAR_KEYWORD for a in args):
+            return accepted, False
+    return accepted, True
+
+
+def _differs(value: Any, default: Any) -> bool:
+    if value is default:
+        return False
+    try:
+        return bool(value != default)
+    except Exception:  # e.g. a tensor of several elements: not provably equal
+        return True
+
+
+def _qualname(optimizer: Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def repoint_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
@@ -74,9 +189,9 @@ def load_optimizer(
         return
     assert isinstance(optimizer, ZeroRedundancyOptimizer)
     _restore_hyperparameters(optimizer.param_groups, saved["param_groups"])
-    _restore_hyperparameters(
-        optimizer.optim.param_groups, saved["param_groups"], match_params=names
-    )
+    # local group i is this rank's part of group i, empty or not (ZeRO keeps them aligned);
+    # matching by owned names would leave an empty one with the constructor's values
+    _restore_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
     for group in optimizer.optim.param_groups:
         for param in group["params"]:
             values = saved["state"].get(names[param])
@@ -104,20 +219,12 @@ def _named_groups(
 
 
 def _restore_hyperparameters(
-    groups: list[dict[str, Any]],
-    saved_groups: list[Mapping[str, Any]],
-    match_params: Mapping[torch.Tensor, str] | None = None,
+    groups: list[dict[str, Any]], saved_groups: Sequence[Mapping[str, Any]]
 ) -> None:
-    """Copy saved hyperparameters (lr, betas, ...) into ``groups``; local (partition) groups
-    are matched to saved groups by the names of the parameters they hold."""
-    for index, group in enumerate(groups):
-        if match_params is None:
-            source = saved_groups[index] if index < len(saved_groups) else None
-        else:
-            owned = {match_params[p] for p in group["params"]}
-            source = next((g for g in saved_groups if owned & set(g["params"])), None)
-        if source is not None:
-            group.update({k: v for k, v in source.items() if k != "params"})
+    """Copy saved hyperparameters (every key but ``params``: lr, betas, ...) into ``groups``,
+    group ``i`` from saved group ``i``."""
+    for group, source in zip(groups, saved_groups, strict=False):
+        group.update({k: v for k, v in source.items() if k != "params"})
 
 
 def _plain_to_named(
