@@ -15,6 +15,7 @@ from lightning_elastic.core._compat import unmet
 
 __all__ = [
     "REQUIREMENTS",
+    "checkpoint_after_batch",
     "dump_checkpoint",
     "install_on_connector",
     "metric_reductions",
@@ -75,6 +76,42 @@ def optimizer_to_device(optimizer: Any, device: Any) -> None:
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The full checkpoint dict Lightning would save (model, loops, callbacks, ...)."""
     checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return checkpoint
+
+
+def checkpoint_after_batch(trainer: Any, *, at_train_end: bool) -> dict[str, Any]:
+    """Lightning's checkpoint dict in the form of a save in ``on_train_batch_end`` of the last
+    batch done (k, counted in the epoch), taken later: in ``on_train_batch_start`` of batch k+1
+    (``at_train_end=False``) or in ``on_train_end`` after training stopped inside an epoch
+    (``max_steps``, ``should_stop``; ``at_train_end=True``).
+
+    Lightning reads the loop counters to tell where a checkpoint was taken. Its native form for
+    "all of batch k done" is: k ready, started and processed, k-1 completed, batch k not the
+    epoch's last, the epoch neither processed nor completed. From it a restart completes batch
+    k, skips a validation due at batch k (it ran before our save, as did the
+    ``ReduceLROnPlateau`` step) and trains batch k+1, as the uninterrupted run does; it also adds
+    1 to ``_batches_that_stepped`` (the loggers' step), which that save had not counted yet and
+    ours has, unless batch k was inside an accumulation window.
+
+    As dumped later the counters say "batch k+1 ready" (one ahead after a restore), or, at
+    train end, "epoch done" (a restart would begin the next epoch: the rest of this one would
+    never be trained). Both are rewritten here (the layout of ``checkpoint["loops"]`` is
+    Lightning's, checked by the tests).
+    """
+    checkpoint = dump_checkpoint(trainer)
+    loop = checkpoint["loops"]["fit_loop"]
+    progress = loop["epoch_loop.batch_progress"]
+    for counters in (progress["total"], progress["current"]):
+        if not at_train_end:
+            counters["ready"] -= 1
+        counters["completed"] -= 1
+    if at_train_end:
+        for counters in (loop["epoch_progress"]["total"], loop["epoch_progress"]["current"]):
+            counters["processed"] -= 1
+            counters["completed"] -= 1
+    progress["is_last_batch"] = False
+    if progress["current"]["ready"] % trainer.accumulate_grad_batches == 0:
+        loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
     return checkpoint
 
 

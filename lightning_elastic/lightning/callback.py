@@ -2,10 +2,24 @@
 
 Every decision to save is the same on every rank: step and epoch triggers come from the
 training counters; the time trigger is rank 0's clock and a caught signal is any rank's,
-agreed with one small all-reduce at the end of each training batch. A signal (SIGTERM, SIGUSR1
-by default) makes every rank take a *synchronous* checkpoint at the same step and then exit
-with ``128 + signum`` (143 for SIGTERM): a non-zero code that torchrun's elastic agent and
-SLURM's requeue treat as "restart me", after which ``resume="auto"`` picks up the checkpoint.
+agreed with one small all-reduce at the end of each optimizer step (the last batch of a
+gradient-accumulation window: a save inside a window would lose its partial gradients). A
+signal (SIGTERM, SIGUSR1 by default) makes every rank take a *synchronous* checkpoint at the
+same step and then exit with ``128 + signum`` (143 for SIGTERM): a non-zero code that
+torchrun's elastic agent and SLURM's requeue treat as "restart me", after which
+``resume="auto"`` picks up the checkpoint.
+
+When a save is taken: a checkpoint of step N holds the state after everything Lightning does
+for step N, as ``ModelCheckpoint`` saving after validation would, and more: the validation
+loop (and every callback's ``on_validation_end``, e.g. ``EarlyStopping``), the
+``ReduceLROnPlateau`` step that follows it, and at an epoch's end the epoch-end hooks and
+epoch-interval schedulers. The decision is made at the end of step N's batch (where every rank
+is, together); the save itself is deferred to the next quiet point: the next batch's
+``on_train_batch_start`` (also across an epoch boundary) or ``on_train_end``. Saving at
+``on_train_batch_end`` instead records the state *before* that step's validation, and a resume
+never runs it: losses, LR plateaus, early-stopping counters and the recorded ``monitor`` value
+all drift. Lightning restores these checkpoints through its usual restart path (the loop
+counters say "between two batches"); see :func:`_between_batches_checkpoint`.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from lightning_elastic.core.policy.triggers import (
     SignalFlag,
 )
 from lightning_elastic.errors import ConfigError
+from lightning_elastic.lightning._compat import checkpoint_after_batch
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
@@ -78,6 +93,9 @@ class DistributedCheckpoint(Checkpoint):
         signals: signal names that trigger a checkpoint-and-exit (empty: none).
         exit_on_signal: exit the process after the signal checkpoint (else just stop fitting).
         compression: ``None`` or ``"zstd"``.
+        trusted: load checkpoint objects without the safe-loading allowlist (unpickling may run
+            code from the checkpoint): only for checkpoints whose origin you trust. By default a
+            checkpoint holding a type outside the allowlist raises ``UnsafeCheckpointError``.
     """
 
     def __init__(
@@ -102,6 +120,7 @@ class DistributedCheckpoint(Checkpoint):
         signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
         exit_on_signal: bool = True,
         compression: str | None = None,
+        trusted: bool = False,
     ) -> None:
         self.dirpath = None if dirpath is None else str(dirpath)
         self.storage_options = dict(storage_options or {})
@@ -143,6 +162,7 @@ class DistributedCheckpoint(Checkpoint):
         if compression not in (None, "zstd"):
             raise ConfigError(f"compression must be None or 'zstd', got {compression!r}")
         self.compression = compression
+        self.trusted = trusted
 
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -155,6 +175,9 @@ class DistributedCheckpoint(Checkpoint):
         self._last_step = -1
         self._pending: SaveHandle | None = None
         self._requested = False
+        self._batch_start_step = -1
+        # decided at a step's end, taken at the next quiet point: (reason, signal number or 0)
+        self._deferred: tuple[str, int] | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -169,7 +192,8 @@ class DistributedCheckpoint(Checkpoint):
         return self._engine
 
     def request_checkpoint(self) -> None:
-        """Ask for a checkpoint at the next step boundary (any rank may ask)."""
+        """Ask for a checkpoint at the end of the current optimizer step (any rank may ask);
+        it holds the state after that step's validation, like every other checkpoint."""
         self._requested = True
 
     # ------------------------------------------------------------------ setup / teardown
@@ -182,6 +206,7 @@ class DistributedCheckpoint(Checkpoint):
         session.timeout = self.timeout
         if self.storage_options:
             session.storage_options = self.storage_options
+        session.trusted = session.trusted or self.trusted
         self._session = session
         self._engine = session.engine(
             self.dirpath,
@@ -208,16 +233,20 @@ class DistributedCheckpoint(Checkpoint):
         if self._interval is not None:
             self._interval.start()
         self._last_step = trainer.global_step  # never re-save the step we resumed at
+        self._deferred = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._uninstall_signals()
+        self._take_deferred(trainer, between_batches=False)  # may exit (a signal)
         if self.save_on_train_end and trainer.global_step != self._last_step:
-            self._save(trainer, reason="train_end", blocking=True)
+            checkpoint = self._train_end_checkpoint(trainer)
+            self._save(trainer, reason="train_end", blocking=True, checkpoint=checkpoint)
         self._finish_pending(trainer, wait=True)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._deferred = None
         self._uninstall_signals()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -239,6 +268,11 @@ class DistributedCheckpoint(Checkpoint):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # the quiet point: everything Lightning does for the previous step (validation,
+        # schedulers, epoch end) is done, and nothing of this batch has run but the callbacks'
+        # on_train_batch_start before ours (Lightning runs Checkpoint callbacks last)
+        self._take_deferred(trainer, between_batches=True)
+        self._batch_start_step = trainer.global_step
         if self._session is not None:
             self._session.on_train_batch_start()
 
@@ -252,35 +286,81 @@ class DistributedCheckpoint(Checkpoint):
     ) -> None:
         self._finish_pending(trainer, wait=False)
         step = trainer.global_step
+        if step == self._batch_start_step:
+            # inside a gradient-accumulation window: requests, signals and the clock wait for
+            # its last batch (at most one window). Every rank has the same windows (equal batch
+            # counts), so every rank skips the agreement below together.
+            return
         due = self._step_trigger is not None and self._step_trigger.due(step)
-        # Every rank joins this agreement at every step, whatever it saw locally (a signal, a
-        # request, rank 0's clock): a collective entered by some ranks only would hang.
+        # Every rank joins this agreement at every optimizer step, whatever it saw locally (a
+        # signal, a request, rank 0's clock): a collective entered by some ranks only would hang.
         assert self._agreement is not None
         decision = self._agreement.decide(
             interval=self._interval, flag=self._flag, requested=self._requested
         )
         self._requested = False
         if decision.signal:
-            self._preempt(trainer, decision.signal)
-            return
-        if (due or decision.save) and step != self._last_step:
+            self._deferred = (
+                f"signal:{signal_module.Signals(decision.signal).name}",
+                decision.signal,
+            )
+        elif (due or decision.save) and step != self._last_step:
             reason = "step" if due else ("interval" if decision.time_due else "request")
-            self._save(trainer, reason=reason)
+            self._deferred = (reason, 0)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # called before the LightningModule's on_train_epoch_end and the epoch-interval
+        # schedulers: the save waits for the next quiet point too
         epoch = trainer.current_epoch
         due = self._epoch_trigger is not None and self._epoch_trigger.due(epoch)
-        if due and trainer.global_step != self._last_step:
-            self._save(trainer, reason="epoch")
+        if due and trainer.global_step != self._last_step and self._deferred is None:
+            self._deferred = ("epoch", 0)
 
     # ------------------------------------------------------------------ saving
 
-    def _save(self, trainer: pl.Trainer, *, reason: str, blocking: bool | None = None) -> None:
+    def _take_deferred(self, trainer: pl.Trainer, *, between_batches: bool) -> None:
+        """Take the save decided at the end of the last optimizer step (every rank reaches
+        the same quiet point: the decision was agreed and the loops are in lockstep)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        reason, signum = deferred
+        # the save was decided at the end of the last batch: it holds the state as of then
+        # (after that step's validation), in Lightning's own form for that moment
+        checkpoint = (
+            checkpoint_after_batch(trainer, at_train_end=False)
+            if between_batches
+            else self._train_end_checkpoint(trainer)
+        )
+        if signum:
+            self._preempt(trainer, signum, checkpoint=checkpoint)
+        else:
+            self._save(trainer, reason=reason, checkpoint=checkpoint)
+
+    @staticmethod
+    def _train_end_checkpoint(trainer: pl.Trainer) -> dict[str, Any] | None:
+        """At ``on_train_end``: when training stopped inside an epoch (``max_steps``, a
+        stop request), the loop already marked the epoch done; undo that, so a resumed run
+        continues the epoch rather than starting the next one."""
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return None  # the epoch really ended: Lightning's own end-of-training form
+        return checkpoint_after_batch(trainer, at_train_end=True)
+
+    def _save(
+        self,
+        trainer: pl.Trainer,
+        *,
+        reason: str,
+        blocking: bool | None = None,
+        checkpoint: dict[str, Any] | None = None,
+    ) -> None:
         assert self._session is not None and self._engine is not None
         metrics = {}
         if self.monitor is not None and self.monitor in trainer.callback_metrics:
             metrics[self.monitor] = float(trainer.callback_metrics[self.monitor])
-        handle = self._session.save(self._engine, reason=reason, blocking=blocking, metrics=metrics)
+        handle = self._session.save(
+            self._engine, reason=reason, blocking=blocking, metrics=metrics, checkpoint=checkpoint
+        )
         if handle is None:  # skipped: the previous save is still being written
             return
         self._finish_pending(trainer, wait=True)  # the engine waited for it: report it
@@ -323,7 +403,9 @@ class DistributedCheckpoint(Checkpoint):
             logger.log_metrics(stats, step=result.step)
         log.info("checkpoint %s committed (%s)", result.location, stats)
 
-    def _preempt(self, trainer: pl.Trainer, signum: int) -> None:
+    def _preempt(
+        self, trainer: pl.Trainer, signum: int, *, checkpoint: dict[str, Any] | None = None
+    ) -> None:
         name = signal_module.Signals(signum).name
         log.warning(
             "%s received on some rank: synchronous checkpoint at step %d, then exit",
@@ -332,7 +414,7 @@ class DistributedCheckpoint(Checkpoint):
         )
         self._finish_pending(trainer, wait=True)
         if trainer.global_step != self._last_step:
-            self._save(trainer, reason=f"signal:{name}", blocking=True)
+            self._save(trainer, reason=f"signal:{name}", blocking=True, checkpoint=checkpoint)
         self.preempted_by = signum
         self._uninstall_signals()
         trainer.should_stop = True

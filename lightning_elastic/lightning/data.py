@@ -5,6 +5,16 @@ resume an epoch at a recorded
 :class:`~lightning_elastic.core.elastic.data_position.DataPosition`, at the same or another
 world size (see :mod:`lightning_elastic.core.elastic.data_position` for the rules).
 
+The epoch length the loop counts. Lightning reads ``len(dataloader)`` once, when it sets the
+training data up, and derives the epoch's batch count (``num_training_batches``), the
+``limit_train_batches`` cut-off and the fractional ``val_check_interval`` from it. A resumed
+epoch is counted from the loop's own batch counter (batches already done, at the old world
+size, plus the batches still to come at the new one), so its length differs from a full epoch
+at the new world size. A sampler that follows the trainer (:meth:`~ElasticSampler.follow`)
+recounts the loop when the next epoch starts (``set_epoch``): without that, every later epoch
+ran the resumed epoch's length (2 -> 1 ranks, 42 samples, batch 4: 8 of 11 batches, 32 of 42
+samples, in every later epoch).
+
 ``ElasticStrategy`` swaps it in for the sampler Lightning injects into *map-style* training
 dataloaders (``DistributedSampler``, ``RandomSampler`` or ``SequentialSampler``). Iterable
 datasets and custom samplers are left alone: give them ``state_dict``/``load_state_dict``
@@ -13,9 +23,12 @@ datasets and custom samplers are left alone: give them ``state_dict``/``load_sta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
-from collections.abc import Iterator, Sized
+import weakref
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from torch.utils.data import (
@@ -31,7 +44,7 @@ from lightning_elastic.core.elastic.data_position import DataPosition, epoch_ord
 from lightning_elastic.errors import ConfigError, WorldSizeError
 from lightning_elastic.lightning._compat import reinstantiate_dataloader
 
-__all__ = ["ElasticSampler", "make_elastic"]
+__all__ = ["ElasticSampler", "make_elastic", "sync_training_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +61,8 @@ class ElasticSampler(Sampler[int]):
         seed: the shuffling seed; the same on every rank.
         drop_last: drop the tail instead of padding it (as ``DistributedSampler``).
         batch_size: per-rank batch size of the dataloader (to keep step counts equal).
+        drop_last_batch: the dataloader drops an incomplete last batch (``DataLoader``'s
+            ``drop_last``), so an epoch has ``len // batch_size`` batches.
     """
 
     def __init__(
@@ -60,6 +75,7 @@ class ElasticSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         batch_size: int = 1,
+        drop_last_batch: bool = False,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
@@ -70,9 +86,12 @@ class ElasticSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.batch_size = max(1, batch_size)
+        self.drop_last_batch = drop_last_batch
         self.epoch = 0
         self._start = DataPosition(epoch=0, consumed=0, world_size=num_replicas)
+        self._resumed: DataPosition | None = None  # as given to resume(), before settling
         self._cache: tuple[tuple[int, DataPosition], list[int]] | None = None
+        self._trainer: Callable[[], Any] | None = None
 
     def __len__(self) -> int:
         """Samples of the whole epoch for this rank: those before the resume point (counted
@@ -83,15 +102,82 @@ class ElasticSampler(Sampler[int]):
         return iter(self._indices())
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at every epoch start; a new epoch starts from its beginning."""
+        """Called by Lightning at every epoch start; a new epoch starts from its beginning,
+        and a followed trainer's loop is recounted for it (see :meth:`follow`)."""
         if epoch != self.epoch:
             self.epoch = epoch
             self._start = DataPosition(epoch=epoch, consumed=0, world_size=self.num_replicas)
+            self._resumed = None
+            trainer = self._followed()
+            if trainer is not None:
+                sync_training_loop(trainer)
 
     def resume(self, position: DataPosition) -> None:
-        """Continue ``position.epoch`` after ``position.consumed`` samples."""
+        """Continue ``position.epoch`` after ``position.consumed`` samples.
+
+        ``position.batches`` is the loop's batch counter in the checkpoint. At an epoch start
+        (``consumed == 0``) the loop either starts that epoch at batch 0 (its counter reached
+        the epoch length it computes) or keeps counting from ``batches``; the sampler follows
+        the loop, so that both agree on where the epoch ends (:meth:`_settle`).
+        """
         self.epoch = position.epoch
-        self._start = position
+        self._resumed = position
+        self._start = self._settle(position)
+
+    def follow(self, trainer: Any) -> None:
+        """Keep ``trainer``'s training loop counting this sampler's epochs: at every new
+        epoch, Lightning's ``num_training_batches``, the ``limit_train_batches`` cut-off and
+        the fractional ``val_check_interval`` are recomputed from the full epoch length.
+
+        Raises:
+            ConfigError: a whole number ``val_check_interval`` longer than an epoch at this
+                world size (Lightning refuses it for a fresh run; after a resume it would
+                silently never validate).
+        """
+        self._trainer = weakref.ref(trainer)
+        if self._resumed is not None:
+            self._start = self._settle(self._resumed)
+        interval = getattr(trainer, "val_check_interval", 1.0)
+        full = _limit(self.full_epoch_batches(), trainer.limit_train_batches)
+        if (
+            isinstance(interval, int)
+            and getattr(trainer, "check_val_every_n_epoch", None) is not None
+            and getattr(trainer, "limit_val_batches", 0) != 0
+            and interval > full
+        ):
+            raise ConfigError(
+                f"val_check_interval={interval} is more than the {full} training batches of an "
+                f"epoch at world size {self.num_replicas}: validation would never run; use a "
+                "smaller interval, a float, or check_val_every_n_epoch=None"
+            )
+
+    def full_epoch_batches(self) -> int:
+        """The batches of a fresh epoch at this world size (what the loop counts)."""
+        n, w = len(self.dataset), self.num_replicas
+        per_rank = n // w if self.drop_last else -(-n // w)
+        return (
+            per_rank // self.batch_size if self.drop_last_batch else -(-per_rank // self.batch_size)
+        )
+
+    def _followed(self) -> Any:
+        return None if self._trainer is None else self._trainer()
+
+    def _settle(self, position: DataPosition) -> DataPosition:
+        """``position`` with ``batches`` as the loop will count them.
+
+        Mid-epoch, the loop continues from the checkpoint's counter. At an epoch start
+        reached by a checkpoint on the previous epoch's last batch, Lightning restarts its
+        counter only when it reached the epoch length computed from ``len(dataloader)``; a
+        smaller world size has longer epochs, and the loop then keeps counting from
+        ``batches`` instead, over a full epoch: the sampler reports that length too.
+        """
+        if position.consumed > 0 or position.batches <= 0:
+            return position
+        trainer = self._followed()
+        limit = 1.0 if trainer is None else trainer.limit_train_batches
+        if position.batches >= _limit(self.full_epoch_batches(), limit):
+            return dataclasses.replace(position, batches=0)
+        return position
 
     def position(self, batches_done: int) -> DataPosition:
         """The position after ``batches_done`` per-rank batches of the current epoch (each
@@ -179,6 +265,7 @@ def make_elastic(
         seed=seed,
         drop_last=drop_last,
         batch_size=per_rank,
+        drop_last_batch=bool(dataloader.drop_last),
     )
     rebuilt = _rebuild(dataloader, elastic, per_rank if per_rank != batch_size else None)
     # Lightning treats loaders with state_dict/load_state_dict as resumable mid-epoch (and
@@ -197,3 +284,45 @@ def _rebuild(dataloader: DataLoader[Any], sampler: ElasticSampler, batch_size: i
         return reinstantiate_dataloader(dataloader, sampler, **overrides)
     except KeyError:
         raise ConfigError("cannot change the batch size of this DataLoader subclass") from None
+
+
+def sync_training_loop(trainer: Any) -> None:
+    """Recount ``trainer``'s training epoch from its dataloaders' lengths now, as Lightning's
+    ``FitLoop.setup_data`` counts it when it sets the data up: the per-loader
+    ``limit_train_batches`` cut-offs, ``num_training_batches`` and, for a fractional
+    ``val_check_interval``, the batch to validate at. The data fetcher reads the cut-offs
+    when the epoch's iterator is created, right after ``set_epoch``.
+
+    Lightning has no public way to do this short of reloading the dataloaders (which calls
+    the user's ``train_dataloader()`` again); this touches ``FitLoop._combined_loader``,
+    ``FitLoop.max_batches``, ``Trainer.val_check_batch`` and ``_parse_num_batches``.
+    """
+    from lightning.fabric.utilities.data import sized_len
+
+    loop = trainer.fit_loop
+    combined = getattr(loop, "_combined_loader", None)
+    if combined is None:
+        return
+    lengths: list[int | float] = []
+    for loader in combined.flattened:
+        length = sized_len(loader)
+        lengths.append(math.inf if length is None else length)
+    limits = [_limit(length, trainer.limit_train_batches) for length in lengths]
+    combined.limits = limits  # read when the epoch's iterator is created
+    # not len(combined): that asks the previous epoch's iterator, with the old limits
+    counts = [min(length, limit) for length, limit in zip(lengths, limits, strict=True)]
+    mode = getattr(combined, "_mode", "max_size_cycle")
+    loop.max_batches = (min(counts) if mode == "min_size" else max(counts)) if counts else 0
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return  # time-based validation does not count batches
+    interval = trainer.val_check_interval
+    if not isinstance(interval, int) and loop.max_batches != math.inf:
+        trainer.val_check_batch = max(1, int(loop.max_batches * interval))
+
+
+def _limit(length: int | float, limit: int | float) -> int | float:
+    """Lightning's epoch length under ``limit_train_batches`` (``_parse_num_batches``)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return _parse_num_batches(RunningStage.TRAINING, length, limit)

@@ -67,6 +67,9 @@ class ElasticSession:
             getattr(trainer.strategy, "storage_options", None) or {}
         )
         self.global_batch_size: int | None = None  # set by ElasticStrategy
+        # unpickle checkpoint objects without the safe-loading allowlist (strategy's or
+        # callback's trusted=True)
+        self.trusted = bool(getattr(trainer.strategy, "trusted", False))
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
@@ -164,9 +167,15 @@ class ElasticSession:
         batches = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
         position = sampler.position(batches)
         remaining = len(sampler) - batches * sampler.batch_size
-        if remaining <= 0:  # the epoch is complete: resume at the start of the next one
+        if remaining <= 0 or batches >= trainer.num_training_batches:
+            # the epoch is complete (its data, or the loop's limit_train_batches): resume at
+            # the start of the next one; the loop's counter goes along, since Lightning keeps
+            # counting from it when the next epoch is longer (see ElasticSampler.resume)
             return DataPosition(
-                epoch=position.epoch + 1, consumed=0, world_size=position.world_size
+                epoch=position.epoch + 1,
+                consumed=0,
+                world_size=position.world_size,
+                batches=batches,
             )
         return position
 
@@ -196,7 +205,7 @@ class ElasticSession:
         valid checkpoint. Per-rank state is kept and handed back at the first training batch.
         """
         try:
-            result = engine.load(None, checkpoint=name, verify=verify)
+            result = engine.load(None, checkpoint=name, verify=verify, trusted=self.trusted)
         except CheckpointNotFoundError:
             if name is not None:
                 raise
@@ -214,7 +223,9 @@ class ElasticSession:
             # metric accumulators of all saved ranks are folded into rank 0; others start empty
             metrics: dict[str, Any] = {}
             if self.ensure_coordinator().rank == 0:
-                per_rank = read_rank_states(engine.storage, result.info, "metrics")
+                per_rank = read_rank_states(
+                    engine.storage, result.info, "metrics", trusted=self.trusted
+                )
                 metrics = fold_metric_states(self.trainer.lightning_module, list(per_rank.values()))
             self.pending_rank_state["metrics"] = metrics
             self.pending_rank_state["reset_metrics"] = True
@@ -252,6 +263,8 @@ class ElasticSession:
     def adopt_sampler(self, sampler: ElasticSampler | None) -> None:
         """A training dataloader was (re)built: continue the epoch where the checkpoint left it."""
         self.sampler = sampler
+        if sampler is not None:
+            sampler.follow(self.trainer)
         if sampler is not None and self.pending_position is not None:
             sampler.resume(self.pending_position)
             self.pending_position = None

@@ -72,6 +72,8 @@ class ElasticStrategy(DDPStrategy):
         storage_options: fsspec options (credentials, ``endpoint_url``, ...) for checkpoint
             paths given to ``fit(ckpt_path=...)``/``save_checkpoint`` (a
             ``DistributedCheckpoint``'s own ``storage_options`` take precedence).
+        trusted: load checkpoint objects without the safe-loading allowlist (unpickling may run
+            code from the checkpoint): only for checkpoints whose origin you trust.
     """
 
     strategy_name = "elastic"
@@ -95,6 +97,7 @@ class ElasticStrategy(DDPStrategy):
         shard_optimizer_state: bool = False,
         global_batch_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        trusted: bool = False,
     ) -> None:
         if global_batch_size is not None and global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -122,6 +125,7 @@ class ElasticStrategy(DDPStrategy):
         self.shard_optimizer_state = shard_optimizer_state
         self.global_batch_size = global_batch_size
         self.storage_options = dict(storage_options or {})
+        self.trusted = trusted
 
     # ------------------------------------------------------------------ torchrun topology
 

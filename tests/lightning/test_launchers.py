@@ -51,7 +51,7 @@ def test_lightning_cli_fit_kill_fit_again(tmp_path, capsys) -> None:
     crashed = run([*base, "--model.kill_at_step", "25"], cwd=tmp_path)
     assert crashed.returncode != 0, crashed.stderr[-3000:]
     ckpts = run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000010", "step_000000020"]
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000000010", "step_000000020"]
 
     resumed = run(base, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -114,7 +114,7 @@ def test_ddp_spawn(tmp_path) -> None:
     ]
     proc = run(cmd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "ckpts").glob("step_*")) == [
         "step_000000005",
         "step_000000006",
     ]

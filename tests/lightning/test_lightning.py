@@ -195,7 +195,7 @@ def test_stats_are_logged_and_best_is_tracked(tmp_path) -> None:
     # score logged at step s is |s - 6| with s counted before the step: best is the step-6 save
     assert checkpoint.best_model_path.endswith("step_000000006")
     assert checkpoint.last_model_path.endswith("step_000000012")
-    kept = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "ckpts").glob("step_*"))
     assert kept == ["step_000000006", "step_000000012"]  # best 1 + last 1
 
 
