@@ -1,18 +1,40 @@
 """``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints.
 
 Works on local paths and fsspec URLs (``-o key=value`` passes storage options, e.g.
-``-o endpoint_url=http://127.0.0.1:9000``). Every verb takes ``--json``. ``verify`` exits 0
-only when everything it checked is valid.
+``-o endpoint_url=http://127.0.0.1:9000``). Every verb takes ``--json``: then everything it
+prints on stdout is JSON, errors included (``{"error": "...", "exit_code": N}``).
+
+What is checked: ``ls``, ``inspect`` and ``prune`` read the manifests and compare the file
+sizes they record with one listing per checkpoint (``--check none|size|full`` for ``ls`` and
+``inspect``; ``prune`` never deletes a checkpoint whose sizes do not match, and counts it as
+corrupt). Only ``verify`` (and ``--check full``) reads the data and compares checksums.
+``verify`` and ``consolidate`` draw a progress bar on stderr when stderr is a terminal.
+
+Exit codes:
+
+* 0: done; for ``verify``, every checkpoint it checked is valid;
+* 1: ``verify``/``consolidate`` found a checkpoint corrupt or incomplete, or had nothing to
+  check; ``prune`` could not delete a checkpoint it planned to delete;
+* 2: bad arguments, or a path that is not what the verb needs (missing, a file, a checkpoint
+  root where one checkpoint is expected or the reverse), or a storage error;
+* 3: an unexpected error (one line; ``LIGHTNING_ELASTIC_DEBUG=1`` shows the traceback);
+* 130: interrupted; 141: stdout was closed early (``lightning-elastic ls DIR | head -1``).
+
+The manifest-only verbs (``ls``, ``inspect``, ``prune``, ``verify --mode size``) import
+neither Lightning nor torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from lightning_elastic.core.format.catalog import (
     CORRUPT,
@@ -20,36 +42,102 @@ from lightning_elastic.core.format.catalog import (
     VALID,
     Catalog,
     CheckpointInfo,
-    split_location,
 )
-from lightning_elastic.core.format.integrity import verify_files
+from lightning_elastic.core.format.integrity import Problem, verify_files
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, STAGING_FILE
 from lightning_elastic.core.policy.housekeeping import delete_checkpoint
 from lightning_elastic.core.policy.retention import KeepEveryNSteps, KeepLastN, plan_deletions
-from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.errors import ElasticCheckpointError
+from lightning_elastic.core.storage.base import Entry, Storage
+from lightning_elastic.errors import CheckpointNotFoundError, ElasticCheckpointError
 
 __all__ = ["main"]
 
+EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_USAGE, EXIT_UNEXPECTED = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_PIPE_CLOSED = 130, 141
+_DEBUG_ENV = "LIGHTNING_ELASTIC_DEBUG"
+# What each --check level compared, as ls/inspect/verify print it.
+_CHECKED = {"none": "manifest only", "size": "sizes checked", "full": "checksums checked"}
+
+
+class CliError(Exception):
+    """A one-line error for the user and the exit code that goes with it."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
     try:
+        args = _parser().parse_args(argv)
         code: int = args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, not at interpreter exit
         return code
+    except BrokenPipeError:
+        return _pipe_closed()
+    except CliError as exc:
+        return _fail(str(exc), exc.code, as_json)
     except ElasticCheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), EXIT_USAGE, as_json)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_INTERRUPTED, as_json)
+    except Exception as exc:
+        if os.environ.get(_DEBUG_ENV):
+            raise
+        message = f"unexpected {type(exc).__name__}: {exc} (set {_DEBUG_ENV}=1 for a traceback)"
+        return _fail(message, EXIT_UNEXPECTED, as_json)
+
+
+def _fail(message: str, code: int, as_json: bool) -> int:
+    try:
+        if as_json:
+            print(json.dumps({"error": message, "exit_code": code}))
+            sys.stdout.flush()
+        else:
+            print(f"error: {message}", file=sys.stderr)
+    except BrokenPipeError:
+        return _pipe_closed()
+    return code
+
+
+def _pipe_closed() -> int:
+    """The reader went away: say nothing, and keep Python's final flush from complaining."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file (captured in tests): nothing will be flushed to it
+    return EXIT_PIPE_CLOSED
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse prints usage and exits; we raise
+        raise CliError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-elastic", description=__doc__)
+    parser = _Parser(
+        prog="lightning-elastic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(required=True, dest="verb")
 
-    def verb(name: str, help: str) -> argparse.ArgumentParser:
+    def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--json", action="store_true", help="machine-readable output (JSON)")
         p.add_argument(
             "-o",
             "--storage-option",
@@ -58,73 +146,709 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="fsspec storage option (value parsed as JSON when possible); repeatable",
         )
+        if check is not None:
+            p.add_argument(
+                "--check",
+                choices=["none", "size", "full"],
+                default=check,
+                help="what to compare with the manifests: nothing, file sizes (one listing per "
+                "checkpoint) or checksums (reads everything); default %(default)s",
+            )
         return p
 
-    p = verb("ls", "list the checkpoints under a directory")
+    p = verb("ls", "list the checkpoints under a directory", check="size")
     p.add_argument("path", help="checkpoint root directory or URL")
     p.set_defaults(func=_ls)
-    p = verb("inspect", "show one checkpoint's manifest")
+    p = verb("inspect", "show one checkpoint's manifest", check="size")
     p.add_argument("path", help="checkpoint directory or URL")
     p.set_defaults(func=_inspect)
     p = verb("verify", "check sizes and checksums against the manifests")
     p.add_argument("path", help="a checkpoint, or a root holding several")
     p.add_argument("--mode", choices=["full", "size"], default="full")
+    _progress_flag(p)
     p.set_defaults(func=_verify)
     p = verb("prune", "delete old checkpoints (each run keeps its own)")
     p.add_argument("path", help="checkpoint root directory or URL")
-    p.add_argument("--keep-last", type=int, required=True, metavar="N")
-    p.add_argument("--keep-every-n-steps", type=int, default=None, metavar="N")
+    p.add_argument("--keep-last", type=_positive, required=True, metavar="N")
+    p.add_argument("--keep-every-n-steps", type=_positive, default=None, metavar="N")
     p.add_argument("--run-id", default=None, help="only this run's checkpoints")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted")
     p.set_defaults(func=_prune)
     p = verb("consolidate", "write a checkpoint as one torch.save file (any world size)")
     p.add_argument("path", help="checkpoint directory or URL")
-    p.add_argument("output", help="file to write (torch.save format)")
+    p.add_argument("output", help="local file to write (torch.save format)")
     p.add_argument("--include-rank-state", action="store_true")
+    p.add_argument(
+        "--trusted",
+        action="store_true",
+        help="unpickle objects without the safe-loading allowlist (may run code from the "
+        "checkpoint): only for checkpoints you trust",
+    )
+    _progress_flag(p)
     p.set_defaults(func=_consolidate)
     return parser
 
 
-# ----------------------------------------------------------------------------- helpers
+def _progress_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+
+# ----------------------------------------------------------------------------- locations
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in args.storage_option:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"error: storage option {item!r} is not KEY=VALUE")
+        if not sep or not key.strip():
+            raise CliError(f"storage option {item!r} is not KEY=VALUE")
         try:
-            out[key] = json.loads(value)
+            out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
-            out[key] = value
+            out[key.strip()] = value
     return out
 
 
+def _local_path(path: str) -> str | None:
+    if path.startswith("file://"):
+        return path[len("file://") :]
+    return None if "://" in path else path
+
+
+def _open(args: argparse.Namespace, path: str) -> tuple[Storage, list[Entry]]:
+    """``path`` as a storage and its listing, or a :class:`CliError` saying why it is not a
+    directory (local paths only: an object store cannot tell missing from empty)."""
+    local = _local_path(path)
+    if local is not None:
+        if not os.path.lexists(local):
+            raise CliError(f"{path} does not exist (no checkpoint there)")
+        if not os.path.isdir(local):
+            hint = ""
+            if os.path.basename(local) == MANIFEST_FILE:
+                hint = f": to see this checkpoint, run `lightning-elastic inspect {_parent(path)}`"
+            raise CliError(f"{path} is a file, not a directory of checkpoints{hint}")
+        if not os.access(local, os.R_OK | os.X_OK):
+            raise CliError(f"{path} is not readable (permission denied)")
+    storage = Storage(path, storage_options=_options(args))
+    return storage, storage.listdir()
+
+
+def _is_checkpoint_dir(entries: list[Entry]) -> bool:
+    names = {e.name for e in entries if not e.is_dir}
+    return bool(names & {MANIFEST_FILE, STAGING_FILE}) or any(
+        n.endswith((".distcp", "dcp_metadata.json")) for n in names
+    )
+
+
+def _parent(path: str) -> str:
+    return _split(path)[0]
+
+
 def _split(path: str) -> tuple[str, str]:
-    parent, name = split_location(path)
-    if not name or "/" not in path.rstrip("/"):
-        raise SystemExit(f"error: {path!r} does not name a checkpoint directory")
-    return parent, name
+    """``root/name`` -> (root, name) for local paths and URLs."""
+    local = _local_path(path)
+    if local is None:
+        scheme, rest = path.split("://", 1)
+        head, sep, name = rest.rstrip("/").rpartition("/")
+        if not sep or not name:
+            raise CliError(f"{path} names a bucket, not a checkpoint directory")
+        return f"{scheme}://{head}", name
+    norm = os.path.normpath(local)
+    if os.path.basename(norm) in ("", ".", ".."):
+        norm = os.path.abspath(norm)
+    parent, name = os.path.split(norm)
+    if not name:
+        raise CliError(f"{path} is the filesystem root, not a checkpoint directory")
+    return parent or ".", name
 
 
-def _checkpoint(args: argparse.Namespace) -> tuple[Storage, Catalog, str]:
-    parent, name = _split(args.path)
-    storage = Storage(parent, storage_options=_options(args))
-    return storage, Catalog(storage), name
+def _scan(storage: Storage, entries: list[Entry]) -> list[CheckpointInfo]:
+    """Like :meth:`Catalog.scan` over a listing already made, except that one unreadable or
+    odd checkpoint becomes a corrupt row instead of failing the whole listing."""
+    catalog = Catalog(storage)
+    infos = []
+    for entry in entries:
+        if entry.is_dir and not entry.name.startswith("."):
+            info = _info(catalog, entry.name)
+            if info is not None and not _unrelated(storage, info):
+                infos.append(info)
+    return sorted(infos, key=_order)
 
 
-def _is_checkpoint(storage: Storage) -> bool:
-    return storage.exists(MANIFEST_FILE) or storage.exists(STAGING_FILE)
+def _unrelated(storage: Storage, info: CheckpointInfo) -> bool:
+    """A folder the catalog calls incomplete only because it has files and no manifest
+    (``logs/``), with no claim and no shard of a save either."""
+    if info.status != INCOMPLETE or info.staging is not None:
+        return False
+    return not _is_checkpoint_dir(_get(lambda: storage.listdir(info.name)) or [])
 
 
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+def _info(catalog: Catalog, name: str) -> CheckpointInfo | None:
+    try:
+        info = catalog.info(name)
+    except CheckpointNotFoundError:
+        return None
+    except Exception as exc:
+        location = catalog.storage.display(name)
+        return CheckpointInfo(name, location, CORRUPT, problem=f"unreadable: {exc}")
+    problem = _insane(info)
+    if problem is not None:
+        return dataclasses.replace(info, status=CORRUPT, problem=problem)
+    return info
+
+
+def _insane(info: CheckpointInfo) -> str | None:
+    """What in a parsed manifest the CLI's decisions cannot rely on (whatever the parser let
+    through: a hand-edited file may hold anything)."""
+    m = info.manifest
+    if m is None or info.status != VALID:
+        return None
+    checks: list[tuple[str, bool]] = [
+        ("step", _is_int(m.step)),
+        ("epoch", m.epoch is None or _is_int(m.epoch)),
+        ("sequence", _is_int(m.sequence)),
+        ("world_size", _is_int(m.world_size)),
+        ("created_unix", _timestamp(m.created_unix) is not None),
+        ("run_id", isinstance(m.run_id, str)),
+        ("checksum_algorithm", isinstance(m.checksum_algorithm, str)),
+        (
+            "files",
+            all(isinstance(f.path, str) and _is_int(f.size) for f in _tuple(m.files)),
+        ),
+    ]
+    bad = [field for field, ok in checks if not ok]
+    return f"manifest field {bad[0]} is invalid: {_show(getattr(m, bad[0], None))}" if bad else None
+
+
+def _tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else ()
+
+
+def _order(info: CheckpointInfo) -> tuple[int, float, str]:
+    m = info.manifest
+    sequence = m.sequence if m is not None and _is_int(m.sequence) else 0
+    return (sequence, _timestamp(_get(lambda: info.created_unix)) or 0.0, info.name)
+
+
+def _checkpoint(args: argparse.Namespace, path: str) -> tuple[Storage, CheckpointInfo]:
+    """The checkpoint at ``path`` (its parent storage and info), or a :class:`CliError` that
+    says what ``path`` is instead and what to run."""
+    storage, entries = _open(args, path)
+    if not _is_checkpoint_dir(entries):
+        if not entries:
+            raise CliError(f"{path} is an empty directory, not a checkpoint")
+        infos = _scan(storage, entries)
+        if infos:
+            newest = infos[-1].location
+            raise CliError(
+                f"{path} is a checkpoint root holding {len(infos)} checkpoint(s), not a "
+                f"checkpoint: run `lightning-elastic ls {path}`, or name one, e.g. "
+                f"`lightning-elastic {args.verb} {newest}`"
+            )
+        raise CliError(f"{path} is not a checkpoint (no {MANIFEST_FILE}) and holds no checkpoints")
+    parent, name = _split(path)
+    root = Storage(parent, storage_options=_options(args))
+    info = _info(Catalog(root), name)
+    if info is None:
+        raise CliError(f"{path} holds no files of a checkpoint")
+    return root, info
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """A checkpoint as the CLI reports it: the catalog's view plus what the CLI checked."""
+
+    info: CheckpointInfo
+    status: str
+    problem: str | None
+    checked: str  # none | size | full
+
+    def to_json(self) -> dict[str, Any]:
+        info, m = self.info, self.info.manifest
+        created = _timestamp(_get(lambda: info.created_unix))
+        body: dict[str, Any] = _jsonable(
+            {
+                "name": info.name,
+                "path": info.location,
+                "status": self.status,
+                "checked": self.checked,
+                "step": _get(lambda: info.step),
+                "epoch": _get(lambda: m.epoch) if m else None,
+                "world_size": _get(lambda: m.world_size) if m else None,
+                "run_id": _get(lambda: info.run_id),
+                "bytes": _get(lambda: m.total_bytes) if m else None,
+                "created": _iso(created) if created else None,
+                "problem": self.problem,
+            }
+        )
+        return body
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(args: argparse.Namespace, total: float | None, desc: str) -> Any:
+    """A tqdm bar on stderr: when asked (``--progress``), or when stderr is a terminal and the
+    work lasts long enough to matter (tqdm's ``delay``); tqdm is imported only then."""
+    wanted = getattr(args, "progress", False)
+    if wanted is None:
+        wanted = _isatty(sys.stderr)
+    if not wanted:
+        return _NoBar()
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        return _NoBar()
+    forced = getattr(args, "progress", None) is True
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        delay=0.0 if forced else 0.5,
+        leave=False,
+        dynamic_ncols=True,
+    )
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _check(root: Storage, info: CheckpointInfo, mode: str, bar: Any = None) -> _Row:
+    """Compare ``info``'s files with its manifest (``mode``: none, size or full)."""
+    if info.status != VALID or info.manifest is None or mode == "none":
+        return _Row(info, info.status.value, info.problem, "none")
+    manifest = info.manifest
+    try:
+        ckpt = root.child(info.name)
+        if mode == "size":
+            problems = verify_files(ckpt, manifest, "size")
+        else:
+            problems = []
+            for record in manifest.files:
+                problems += verify_files(ckpt, manifest, "full", files=[record])
+                if bar is not None:
+                    bar.update(record.size)
+    except ElasticCheckpointError as exc:
+        return _Row(info, "unreadable", f"could not check: {exc}", mode)
+    if not problems:
+        return _Row(info, VALID.value, None, mode)
+    return _Row(info, CORRUPT.value, _describe(problems), mode)
+
+
+def _total(info: CheckpointInfo) -> int:
+    manifest = info.manifest
+    size = _get(lambda: manifest.total_bytes) if manifest is not None else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else 0
+
+
+def _describe(problems: list[Problem]) -> str:
+    first = sorted(problems, key=lambda p: p.file)[0]
+    more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+    return f"{first.file}: {first.reason}{more}"
+
+
+def _check_all(
+    args: argparse.Namespace, root: Storage, infos: list[CheckpointInfo], mode: str
+) -> list[_Row]:
+    bar: Any = _NoBar()
+    if mode == "full":
+        bar = _bar(args, sum(_total(i) for i in infos), "verifying")
+    try:
+        return [_check(root, info, mode, bar) for info in infos]
+    finally:
+        bar.close()
+
+
+# ----------------------------------------------------------------------------- verbs
+
+
+def _ls(args: argparse.Namespace) -> int:
+    storage, entries = _open(args, args.path)
+    if _is_checkpoint_dir(entries):
+        raise CliError(
+            f"{args.path} is a checkpoint, not a directory of checkpoints: run "
+            f"`lightning-elastic inspect {args.path}` (or `lightning-elastic ls "
+            f"{_parent(args.path)}`)"
+        )
+    rows = _check_all(args, storage, _scan(storage, entries), args.check)
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=1))
+    elif not entries:
+        print(f"{args.path} is empty: no checkpoints")
+    elif not rows:
+        print(f"no checkpoints in {args.path} (it holds {len(entries)} other entries)")
+    else:
+        print(_table([_row(r) for r in rows], _HEADER))
+        for r in rows:
+            if r.problem and r.status != VALID.value:
+                print(f"  {r.info.name}: {r.problem}")
+        print(_what_was_checked(args.check, args.path))
+    return EXIT_OK
+
+
+def _what_was_checked(mode: str, path: str) -> str:
+    if mode == "full":
+        return "checked: manifests, file sizes and checksums"
+    what = "manifests and file sizes" if mode == "size" else "manifests only (not the files)"
+    return f"checked: {what}; checksums not read (run `lightning-elastic verify {path}`)"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    root, info = _checkpoint(args, args.path)
+    row = _check_all(args, root, [info], args.check)[0]
+    m = info.manifest
+    if args.json:
+        body = row.to_json()
+        if m is not None:
+            body["manifest"] = _jsonable(_get(lambda: json.loads(m.to_json())))
+        print(json.dumps(body, indent=1))
+        return EXIT_OK
+    status = row.status
+    if row.status == VALID.value:
+        status += f" ({_CHECKED[row.checked]})"
+    print(f"{info.location}: {status}" + (f": {row.problem}" if row.problem else ""))
+    if m is not None:
+        _print_manifest(m)
+    if row.status == VALID.value and row.checked != "full":
+        print(f"  checksums not read: run `lightning-elastic verify {args.path}`")
+    return EXIT_OK
+
+
+def _print_manifest(m: Any) -> None:
+    created = _iso(_timestamp(_get(lambda: m.created_unix)))
+    print(f"  step {_show(m.step)}, epoch {_show(m.epoch)}, run {_show(m.run_id)}")
+    print(f"  saved {created or '?'} by {_show(m.world_size)} rank(s)")
+    files = _tuple(m.files)
+    print(
+        f"  {_size(_get(lambda: m.total_bytes))} in {len(files)} files, "
+        f"checksums {_show(m.checksum_algorithm)}"
+        + (f", compression {_show(m.compression)}" if m.compression else "")
+    )
+    t = m.timings
+    print(
+        f"  timings: staging {_secs(_get(lambda: t.staging_s))}, "
+        f"writing {_secs(_get(lambda: t.writing_s))}, commit {_secs(_get(lambda: t.commit_s))}, "
+        f"total {_secs(_get(lambda: t.total_s))}"
+    )
+    print("  versions: " + ", ".join(f"{_show(k)} {_show(v)}" for k, v in _items(m.versions)))
+    if m.resumed_from:
+        print(f"  resumed from: {_show(m.resumed_from)}")
+    if m.metrics:
+        print("  metrics: " + ", ".join(f"{_show(k)}={_num(v)}" for k, v in _items(m.metrics)))
+    rows = [[_show(f.path), _size(f.size), _show(f.checksum), _show(f.rank)] for f in files]
+    print(_indent(_table(rows, ["FILE", "SIZE", "CHECKSUM", "RANK"])))
+    ranks = [
+        [
+            _show(r.rank),
+            _show(r.host),
+            _show(r.local_rank),
+            _size(r.bytes_written),
+            _num(r.staging_s, ".3f"),
+            _num(r.writing_s, ".3f"),
+        ]
+        for r in _tuple(m.ranks)
+    ]
+    print(_indent(_table(ranks, ["RANK", "HOST", "LOCAL", "WROTE", "STAGE_S", "WRITE_S"])))
+    for key, value in _items(m.metadata):
+        text = value if isinstance(value, str) else json.dumps(_jsonable(value), indent=1)
+        print(f"  metadata[{_show(key)}]:")
+        print("    " + str(text).rstrip().replace("\n", "\n    "))
+
+
+def _verify(args: argparse.Namespace) -> int:
+    storage, entries = _open(args, args.path)
+    if _is_checkpoint_dir(entries):
+        root, info = _checkpoint(args, args.path)
+        infos = [info]
+    else:
+        root, infos = storage, _scan(storage, entries)
+        if not infos:
+            what = "is empty" if not entries else "holds no checkpoints"
+            raise CliError(f"{args.path} {what}: nothing to verify", EXIT_BAD_CHECKPOINT)
+    rows = _check_all(args, root, infos, args.mode)
+    bad = [r for r in rows if r.status != VALID.value]
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=1))
+        return EXIT_BAD_CHECKPOINT if bad else EXIT_OK
+    for r in rows:
+        line = f"{r.status:10s} {r.info.location}"
+        print(line + (f": {r.problem}" if r.problem and r.status != VALID.value else ""))
+    for r in bad:
+        print(f"error: {r.info.location} is {r.status}: {r.problem}", file=sys.stderr)
+    return EXIT_BAD_CHECKPOINT if bad else EXIT_OK
+
+
+def _prune(args: argparse.Namespace) -> int:
+    storage, entries = _open(args, args.path)
+    if _is_checkpoint_dir(entries):
+        raise CliError(
+            f"{args.path} is a checkpoint, not a directory of checkpoints: prune its parent, "
+            f"`lightning-elastic prune {_parent(args.path)} ...`"
+        )
+    policies: list[Any] = [KeepLastN(args.keep_last)]
+    if args.keep_every_n_steps is not None:
+        policies.append(KeepEveryNSteps(args.keep_every_n_steps))
+    # A checkpoint whose files do not match the sizes in its manifest is corrupt: it is never
+    # deleted, and never counted as the newest valid one that retention must keep.
+    rows = _check_all(args, storage, _scan(storage, entries), "size")
+    valid = [r.info for r in rows if r.status == VALID.value]
+    runs = sorted({i.run_id for i in valid if i.run_id})
+    if args.run_id is not None:
+        runs = [r for r in runs if r == args.run_id]
+    doomed: list[CheckpointInfo] = []
+    for run in runs:
+        doomed += plan_deletions(valid, policies, run_id=run)
+    doomed.sort(key=_order)
+    catalog = Catalog(storage)
+    failed: list[tuple[CheckpointInfo, str]] = []
+    deleted = []
+    for info in doomed:
+        if args.dry_run:
+            deleted.append(info)
+            continue
+        try:
+            delete_checkpoint(storage, catalog, info.name)
+            deleted.append(info)
+        except ElasticCheckpointError as exc:
+            failed.append((info, str(exc)))
+    left = [r for r in rows if r.status != VALID.value]
+    _report_prune(args, rows, deleted, failed, left, kept=len(valid) - len(deleted))
+    return EXIT_BAD_CHECKPOINT if failed else EXIT_OK
+
+
+def _report_prune(
+    args: argparse.Namespace,
+    rows: list[_Row],
+    deleted: list[CheckpointInfo],
+    failed: list[tuple[CheckpointInfo, str]],
+    left: list[_Row],
+    kept: int,
+) -> None:
+    by_name = {r.info.name: r for r in rows}
+    if args.json:
+        body = {
+            "dry_run": args.dry_run,
+            "checked": "size",
+            "deleted": [by_name[i.name].to_json() for i in deleted],
+            "failed": [{**by_name[i.name].to_json(), "error": e} for i, e in failed],
+            "kept_valid": kept,
+            "left_alone": [r.to_json() for r in left],
+        }
+        print(json.dumps(body, indent=1))
+        return
+    if not rows:
+        print(f"no checkpoints in {args.path}: nothing to prune")
+        return
+    verb = "would delete" if args.dry_run else "deleted"
+    for info in deleted:
+        print(f"{verb} {info.location} (step {_show(info.step)}, run {_show(info.run_id)})")
+    for info, error in failed:
+        print(f"could not delete {info.location}: {error}")
+    for r in left:
+        print(f"left alone: {r.info.location} is {r.status}: {r.problem}")
+    counts = {s: len([r for r in left if r.status == s]) for s in ("corrupt", "incomplete")}
+    other = len(left) - sum(counts.values())
+    summary = (
+        f"{len(deleted)} checkpoint(s) {'to delete' if args.dry_run else 'deleted'}, "
+        f"{kept} valid kept (file sizes checked, checksums not read), "
+        f"{counts['corrupt']} corrupt and {counts['incomplete']} incomplete left alone"
+    )
+    if other:
+        summary += f", {other} unreadable left alone"
+    if failed:
+        summary += f", {len(failed)} failed to delete"
+    print(summary)
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    output = os.path.abspath(args.output)
+    if os.path.isdir(output):
+        raise CliError(f"{args.output} is a directory: name the file to write")
+    if not os.path.isdir(os.path.dirname(output)):
+        raise CliError(f"cannot write {args.output}: its directory does not exist")
+    root, info = _checkpoint(args, args.path)
+    if info.status != VALID or info.manifest is None:
+        raise CliError(f"{info.location} is {info.status}: {info.problem}", EXIT_BAD_CHECKPOINT)
+    row = _check_all(args, root, [info], "full")[0]
+    if row.status != VALID.value:
+        raise CliError(f"{info.location} is {row.status}: {row.problem}", EXIT_BAD_CHECKPOINT)
+
+    import torch
+
+    from lightning_elastic.core.load.load import read_full_state
+
+    start = time.monotonic()
+    ckpt = root.child(info.name)
+    bar = _bar(args, _total(info), "reading")
+    try:
+        _count_reads(ckpt, bar.update)
+        state = read_full_state(
+            ckpt, include_rank_state=args.include_rank_state, trusted=args.trusted
+        )
+    finally:
+        bar.close()
+    # Written beside the output and renamed: an interrupted run leaves no half-written file.
+    tmp = f"{output}.tmp-{os.getpid()}"
+    bar = _bar(args, None, "writing")
+    try:
+        with open(tmp, "wb") as raw:
+            torch.save(state, _CountingFile(raw, bar.update))  # type: ignore[arg-type]
+        os.replace(tmp, output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    finally:
+        bar.close()
+    summary = {
+        "checkpoint": info.location,
+        "output": args.output,
+        "seconds": time.monotonic() - start,
+    }
+    print(json.dumps(summary) if args.json else f"wrote {args.output} from {info.location}")
+    return EXIT_OK
+
+
+def _count_reads(storage: Storage, update: Callable[[int], None]) -> None:
+    """Report the bytes ``storage`` reads (this instance only) to a progress bar."""
+    read_bytes, read_into = storage.read_bytes, storage.read_into
+
+    def counted_bytes(rel: str, start: int = 0, length: int | None = None) -> bytes:
+        data = read_bytes(rel, start, length)
+        update(len(data))
+        return data
+
+    def counted_into(rel: str, offset: int, out: memoryview) -> None:
+        read_into(rel, offset, out)
+        update(out.nbytes)
+
+    storage.read_bytes = counted_bytes  # type: ignore[method-assign]
+    storage.read_into = counted_into  # type: ignore[method-assign]
+
+
+class _CountingFile:
+    """A writable file that reports the bytes written (``torch.save`` needs write/flush)."""
+
+    def __init__(self, raw: Any, update: Callable[[int], None]) -> None:
+        self._raw = raw
+        self._update = update
+
+    def write(self, data: Any) -> int:
+        n: int = self._raw.write(data)
+        self._update(n)
+        return n
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+# ----------------------------------------------------------------------------- formatting
+# Everything below takes whatever a manifest held (a hand-edited one may hold anything) and
+# never raises.
+
+
+def _get(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _timestamp(value: Any) -> float | None:
+    """``value`` as Unix seconds when it can be one (``time.gmtime`` accepts it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not math.isfinite(value) or not 0 <= value <= 1e11:
+        return None
+    return float(value)
+
+
+def _iso(unix: float | None) -> str | None:
+    if unix is None:
+        return None
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    text = "-" if value is None else str(value)
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _num(value: Any, spec: str = "g") -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _show(value)
+    if spec.endswith("f") and math.isfinite(value) and abs(value) >= 1e9:
+        spec = ".4g"  # 1e300 seconds as 300 digits helps nobody
+    try:
+        return _show(format(value, spec))
+    except (ValueError, TypeError, OverflowError):
+        return _show(value)
+
+
+def _secs(value: Any) -> str:
+    text = _num(value, ".3f")
+    return f"{text}s" if isinstance(value, (int, float)) and not isinstance(value, bool) else text
+
+
+def _items(value: Any) -> list[tuple[Any, Any]]:
+    try:
+        return sorted(value.items(), key=lambda kv: str(kv[0]))
+    except Exception:
+        return []
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with what strict JSON cannot hold replaced (non-finite floats -> null,
+    unknown types -> their string)."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _size(n: Any) -> str:
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
+        return "-" if n is None else _show(n)
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{value:.0f} {unit}"
+            return f"{value:.1f} {unit}" if abs(value) < 1e6 else f"{value:.3g} {unit}"
+        value /= 1024
     return str(n)
 
 
@@ -137,208 +861,28 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _row(info: CheckpointInfo) -> list[str]:
-    d = info.to_json()
+def _indent(text: str) -> str:
+    return "  " + text.replace("\n", "\n  ")
+
+
+def _row(r: _Row) -> list[str]:
+    d = r.to_json()
+    status = r.status
+    if r.status == VALID.value and r.checked == "none":
+        status = "valid (manifest only)"
     return [
-        info.name,
-        str(d["step"] if d["step"] is not None else "-"),
-        str(d["epoch"] if d["epoch"] is not None else "-"),
-        str(d["world_size"] or "-"),
-        str(d["run_id"] or "-"),
-        _size(d["bytes"]),  # type: ignore[arg-type]
-        str(d["created"] or "-"),
-        info.status,
+        r.info.name,
+        _show(d["step"]),
+        _show(d["epoch"]),
+        _show(d["world_size"]),
+        _show(d["run_id"], 24),
+        _size(d["bytes"]),
+        _show(d["created"]),
+        status,
     ]
 
 
 _HEADER = ["NAME", "STEP", "EPOCH", "WORLD", "RUN", "SIZE", "CREATED (UTC)", "STATUS"]
-
-
-# ----------------------------------------------------------------------------- verbs
-
-
-def _ls(args: argparse.Namespace) -> int:
-    infos = Catalog(Storage(args.path, storage_options=_options(args))).scan()
-    if args.json:
-        print(json.dumps([i.to_json() for i in infos], indent=1))
-    elif not infos:
-        print(f"no checkpoints in {args.path}")
-    else:
-        print(_table([_row(i) for i in infos], _HEADER))
-        for info in infos:
-            if info.problem and info.status != VALID:
-                print(f"  {info.name}: {info.problem}")
-    return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    _, catalog, name = _checkpoint(args)
-    info = catalog.info(name)
-    m = info.manifest
-    if args.json:
-        body: dict[str, Any] = {**info.to_json()}
-        if m is not None:
-            body["manifest"] = json.loads(m.to_json())
-        print(json.dumps(body, indent=1))
-        return 0
-    print(f"{info.location}: {info.status}" + (f" ({info.problem})" if info.problem else ""))
-    if m is None:
-        return 0
-    created = info.to_json()["created"]
-    print(f"  step {m.step}, epoch {m.epoch}, run {m.run_id}")
-    print(f"  saved {created} by {m.world_size} rank(s)")
-    print(
-        f"  {_size(m.total_bytes)} in {len(m.files)} files, checksums {m.checksum_algorithm}"
-        + (f", compression {m.compression}" if m.compression else "")
-    )
-    t = m.timings
-    print(
-        f"  timings: staging {t.staging_s:.3f}s, writing {t.writing_s:.3f}s, "
-        f"commit {t.commit_s:.3f}s, total {t.total_s:.3f}s"
-    )
-    print("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
-    if m.resumed_from:
-        print(f"  resumed from: {m.resumed_from}")
-    if m.metrics:
-        print("  metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.metrics.items())))
-    print(
-        _table(
-            [
-                [f.path, _size(f.size), f.checksum, "-" if f.rank is None else str(f.rank)]
-                for f in m.files
-            ],
-            ["FILE", "SIZE", "CHECKSUM", "RANK"],
-        )
-        .replace("\n", "\n  ")
-        .join(["  ", ""])
-    )
-    print(
-        _table(
-            [
-                [
-                    str(r.rank),
-                    r.host,
-                    str(r.local_rank if r.local_rank is not None else "-"),
-                    _size(r.bytes_written),
-                    f"{r.staging_s:.3f}",
-                    f"{r.writing_s:.3f}",
-                ]
-                for r in m.ranks
-            ],
-            ["RANK", "HOST", "LOCAL", "WROTE", "STAGE_S", "WRITE_S"],
-        )
-        .replace("\n", "\n  ")
-        .join(["  ", ""])
-    )
-    for key, value in sorted(m.metadata.items()):
-        text = value if isinstance(value, str) else json.dumps(value, indent=1, sort_keys=True)
-        print(f"  metadata[{key}]:")
-        print("    " + str(text).rstrip().replace("\n", "\n    "))
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    options = _options(args)
-    root = Storage(args.path, storage_options=options)
-    if _is_checkpoint(root):
-        parent, name = _split(args.path)
-        catalog = Catalog(Storage(parent, storage_options=options))
-        infos = [catalog.info(name)]
-    else:
-        catalog = Catalog(root)
-        infos = catalog.scan()
-        if not infos:
-            print(f"error: no checkpoints in {args.path}", file=sys.stderr)
-            return 1
-    results = []
-    for info in infos:
-        status, problem = info.status, info.problem
-        if info.status == VALID and info.manifest is not None:
-            problems = verify_files(catalog.storage.child(info.name), info.manifest, args.mode)
-            if problems:
-                first = sorted(problems, key=lambda p: p.file)[0]
-                status, problem = CORRUPT, f"{first.file}: {first.reason}"
-        results.append((info, status, problem))
-    if args.json:
-        out = []
-        for info, status, problem in results:
-            out.append({**info.to_json(), "status": status, "problem": problem})
-        print(json.dumps(out, indent=1))
-    else:
-        for info, status, problem in results:
-            line = f"{status:10s} {info.location}"
-            print(line + (f": {problem}" if problem and status != VALID else ""))
-    bad = [r for r in results if r[1] != VALID]
-    for info, status, problem in bad:
-        if not args.json:
-            print(f"error: {info.location} is {status}: {problem}", file=sys.stderr)
-    return 1 if bad else 0
-
-
-def _prune(args: argparse.Namespace) -> int:
-    storage = Storage(args.path, storage_options=_options(args))
-    catalog = Catalog(storage)
-    policies: list[Any] = [KeepLastN(args.keep_last)]
-    if args.keep_every_n_steps:
-        policies.append(KeepEveryNSteps(args.keep_every_n_steps))
-    infos = catalog.scan()
-    runs = {i.run_id for i in infos if i.status == VALID and i.run_id}
-    if args.run_id is not None:
-        runs &= {args.run_id}
-    doomed: list[CheckpointInfo] = []
-    for run in sorted(runs):
-        doomed += plan_deletions(infos, policies, run_id=run)
-    doomed.sort(key=CheckpointInfo.sort_key)
-    for info in doomed:
-        if not args.dry_run:
-            delete_checkpoint(storage, catalog, info.name)
-    if args.json:
-        print(
-            json.dumps(
-                {"dry_run": args.dry_run, "deleted": [i.to_json() for i in doomed]}, indent=1
-            )
-        )
-    else:
-        verb = "would delete" if args.dry_run else "deleted"
-        for info in doomed:
-            print(f"{verb} {info.location} (step {info.step}, run {info.run_id})")
-        kept = len([i for i in infos if i.status == VALID]) - len(doomed)
-        untouched = len([i for i in infos if i.status in (CORRUPT, INCOMPLETE)])
-        print(
-            f"{len(doomed)} checkpoint(s) {'to delete' if args.dry_run else 'deleted'}, "
-            f"{kept} valid kept, "
-            f"{untouched} corrupt/incomplete left alone"
-        )
-    return 0
-
-
-def _consolidate(args: argparse.Namespace) -> int:
-    import torch
-
-    from lightning_elastic.core.load.load import read_full_state
-
-    storage, catalog, name = _checkpoint(args)
-    info = catalog.info(name)
-    if info.status != VALID or info.manifest is None:
-        print(f"error: {info.location} is {info.status}: {info.problem}", file=sys.stderr)
-        return 1
-    problems = verify_files(storage.child(name), info.manifest, "full")
-    if problems:
-        print(
-            f"error: {info.location} is corrupt: {problems[0].file}: {problems[0].reason}",
-            file=sys.stderr,
-        )
-        return 1
-    start = time.monotonic()
-    state = read_full_state(storage.child(name), include_rank_state=args.include_rank_state)
-    torch.save(state, args.output)
-    summary = {
-        "checkpoint": info.location,
-        "output": args.output,
-        "seconds": time.monotonic() - start,
-    }
-    print(json.dumps(summary) if args.json else f"wrote {args.output} from {info.location}")
-    return 0
 
 
 if __name__ == "__main__":

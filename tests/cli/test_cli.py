@@ -32,6 +32,11 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def checkpoint_dirs(root: Path) -> list[str]:
+    """The checkpoint directories (not the hidden ``.leases``) in ``root``, by name."""
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -68,7 +73,9 @@ def test_ls_shows_incomplete_and_corrupt(root, capsys) -> None:
     (root / "step_000000002" / MANIFEST_FILE).unlink()
     (root / "step_000000003" / MANIFEST_FILE).write_text("{not json")
     _, out, _ = run(capsys, "ls", str(root), "--json")
-    assert [r["status"] for r in json.loads(out)] == ["valid", "incomplete", "corrupt"]
+    # listed in commit order: the uncommitted ones (no sequence) come first
+    statuses = {r["step"]: r["status"] for r in json.loads(out)}
+    assert statuses == {1: "valid", 2: "incomplete", 3: "corrupt"}
 
 
 def test_inspect_shows_manifest_and_resolved_config(root, capsys) -> None:
@@ -110,17 +117,17 @@ def test_verify_empty_dir_fails(tmp_path, capsys) -> None:
 def test_prune_dry_run_then_real(root, capsys) -> None:
     code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--dry-run")
     assert code == 0 and out.count("would delete") == 2
-    assert len(list(root.iterdir())) == 3
+    assert len(checkpoint_dirs(root)) == 3
     code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--json")
     assert [d["step"] for d in json.loads(out)["deleted"]] == [1, 2]
-    assert [p.name for p in root.iterdir()] == ["step_000000003"]
+    assert checkpoint_dirs(root) == ["step_000000003"]
 
 
 def test_prune_keeps_each_runs_newest(tmp_path, capsys) -> None:
     populate(str(tmp_path), steps=(1, 2), run_id="a")
     populate(str(tmp_path), steps=(3, 4), run_id="b")
     run(capsys, "prune", str(tmp_path), "--keep-last", "1")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000002", "step_000000004"]
+    assert checkpoint_dirs(tmp_path) == ["step_000000002", "step_000000004"]
     run(capsys, "prune", str(tmp_path), "--keep-last", "1", "--run-id", "a")
 
 
