@@ -13,8 +13,10 @@ corrupt). Only ``verify`` (and ``--check full``) reads the data and compares che
 Exit codes:
 
 * 0: done; for ``verify``, every checkpoint it checked is valid;
-* 1: ``verify``/``consolidate`` found a checkpoint corrupt or incomplete, or had nothing to
-  check; ``prune`` could not delete a checkpoint it planned to delete;
+* 1: ``verify``/``consolidate`` found a checkpoint corrupt (or, named alone, incomplete), or
+  had nothing to check; ``prune`` could not delete a checkpoint it planned to delete. In a
+  root, ``verify`` lists directories without a manifest as ``incomplete`` (a save in flight,
+  or a crashed one that the next save or ``prune`` collects) without failing for them;
 * 2: bad arguments, or a path that is not what the verb needs (missing, a file, a checkpoint
   root where one checkpoint is expected or the reverse), or a storage error;
 * 3: an unexpected error (one line; ``LIGHTNING_ELASTIC_DEBUG=1`` shows the traceback);
@@ -42,10 +44,15 @@ from lightning_elastic.core.format.catalog import (
     VALID,
     Catalog,
     CheckpointInfo,
+    holds_checkpoint_files,
 )
 from lightning_elastic.core.format.integrity import Problem, verify_files
-from lightning_elastic.core.format.manifest import MANIFEST_FILE, STAGING_FILE
-from lightning_elastic.core.policy.housekeeping import delete_checkpoint
+from lightning_elastic.core.format.manifest import MANIFEST_FILE
+from lightning_elastic.core.policy.housekeeping import (
+    DEFAULT_GRACE_S,
+    collect_garbage,
+    delete_checkpoint,
+)
 from lightning_elastic.core.policy.retention import KeepEveryNSteps, KeepLastN, plan_deletions
 from lightning_elastic.core.storage.base import Entry, Storage
 from lightning_elastic.errors import CheckpointNotFoundError, ElasticCheckpointError
@@ -173,6 +180,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every-n-steps", type=_positive, default=None, metavar="N")
     p.add_argument("--run-id", default=None, help="only this run's checkpoints")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+    p.add_argument(
+        "--leftover-grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="also remove leftovers of crashed saves (folders without a manifest, stray "
+        "files) older than this (default: %(default)s; a save in flight is younger)",
+    )
     p.set_defaults(func=_prune)
     p = verb("consolidate", "write a checkpoint as one torch.save file (any world size)")
     p.add_argument("path", help="checkpoint directory or URL")
@@ -239,10 +254,7 @@ def _open(args: argparse.Namespace, path: str) -> tuple[Storage, list[Entry]]:
 
 
 def _is_checkpoint_dir(entries: list[Entry]) -> bool:
-    names = {e.name for e in entries if not e.is_dir}
-    return bool(names & {MANIFEST_FILE, STAGING_FILE}) or any(
-        n.endswith((".distcp", "dcp_metadata.json")) for n in names
-    )
+    return holds_checkpoint_files(e.name for e in entries if not e.is_dir)
 
 
 def _parent(path: str) -> str:
@@ -275,17 +287,9 @@ def _scan(storage: Storage, entries: list[Entry]) -> list[CheckpointInfo]:
     for entry in entries:
         if entry.is_dir and not entry.name.startswith("."):
             info = _info(catalog, entry.name)
-            if info is not None and not _unrelated(storage, info):
+            if info is not None:
                 infos.append(info)
     return sorted(infos, key=_order)
-
-
-def _unrelated(storage: Storage, info: CheckpointInfo) -> bool:
-    """A folder the catalog calls incomplete only because it has files and no manifest
-    (``logs/``), with no claim and no shard of a save either."""
-    if info.status != INCOMPLETE or info.staging is not None:
-        return False
-    return not _is_checkpoint_dir(_get(lambda: storage.listdir(info.name)) or [])
 
 
 def _info(catalog: Catalog, name: str) -> CheckpointInfo | None:
@@ -586,7 +590,11 @@ def _verify(args: argparse.Namespace) -> int:
             what = "is empty" if not entries else "holds no checkpoints"
             raise CliError(f"{args.path} {what}: nothing to verify", EXIT_BAD_CHECKPOINT)
     rows = _check_all(args, root, infos, args.mode)
-    bad = [r for r in rows if r.status != VALID.value]
+    # a root's leftovers (no manifest: a save in flight, or one that crashed and waits for
+    # garbage collection) are listed but are not a failure; a directory named alone is
+    bad = [
+        r for r in rows if r.status != VALID.value and (len(infos) == 1 or r.status != INCOMPLETE)
+    ]
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=1))
         return EXIT_BAD_CHECKPOINT if bad else EXIT_OK
@@ -631,8 +639,11 @@ def _prune(args: argparse.Namespace) -> int:
             deleted.append(info)
         except ElasticCheckpointError as exc:
             failed.append((info, str(exc)))
-    left = [r for r in rows if r.status != VALID.value]
-    _report_prune(args, rows, deleted, failed, left, kept=len(valid) - len(deleted))
+    if args.leftover_grace < 0:
+        raise CliError(f"--leftover-grace must be >= 0, got {args.leftover_grace}")
+    collected = collect_garbage(storage, catalog, grace_s=args.leftover_grace, dry_run=args.dry_run)
+    left = [r for r in rows if r.status != VALID.value and r.info.location not in collected]
+    _report_prune(args, rows, deleted, failed, left, collected, kept=len(valid) - len(deleted))
     return EXIT_BAD_CHECKPOINT if failed else EXIT_OK
 
 
@@ -642,6 +653,7 @@ def _report_prune(
     deleted: list[CheckpointInfo],
     failed: list[tuple[CheckpointInfo, str]],
     left: list[_Row],
+    collected: list[str],
     kept: int,
 ) -> None:
     by_name = {r.info.name: r for r in rows}
@@ -653,6 +665,7 @@ def _report_prune(
             "failed": [{**by_name[i.name].to_json(), "error": e} for i, e in failed],
             "kept_valid": kept,
             "left_alone": [r.to_json() for r in left],
+            "leftovers_removed": collected,
         }
         print(json.dumps(body, indent=1))
         return
@@ -666,6 +679,8 @@ def _report_prune(
         print(f"could not delete {info.location}: {error}")
     for r in left:
         print(f"left alone: {r.info.location} is {r.status}: {r.problem}")
+    for location in collected:
+        print(f"{'would remove' if args.dry_run else 'removed'} leftover {location}")
     counts = {s: len([r for r in left if r.status == s]) for s in ("corrupt", "incomplete")}
     other = len(left) - sum(counts.values())
     summary = (

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,17 @@ def test_ls_shows_incomplete_and_corrupt(root, capsys) -> None:
     assert statuses == {1: "valid", 2: "incomplete", 3: "corrupt"}
 
 
+def test_verify_lists_leftovers_without_failing_the_root(root, capsys) -> None:
+    (root / "step_000000002" / MANIFEST_FILE).unlink()  # a crashed or in-flight save
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 0 and "incomplete" in out and out.count("valid ") == 2
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    statuses = {r["step"]: r["status"] for r in json.loads(out)}
+    assert code == 0 and statuses == {1: "valid", 2: "incomplete", 3: "valid"}
+    # named alone, an incomplete directory is not a checkpoint: that fails
+    assert run(capsys, "verify", str(root / "step_000000002"))[0] == 1
+
+
 def test_inspect_shows_manifest_and_resolved_config(root, capsys) -> None:
     code, out, _ = run(capsys, "inspect", str(root / "step_000000002"))
     assert code == 0
@@ -121,6 +133,23 @@ def test_prune_dry_run_then_real(root, capsys) -> None:
     code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--json")
     assert [d["step"] for d in json.loads(out)["deleted"]] == [1, 2]
     assert checkpoint_dirs(root) == ["step_000000003"]
+
+
+def test_prune_collects_old_leftovers_and_spares_young_ones(root, capsys) -> None:
+    old, young = root / "step_000000007", root / "step_000000008"
+    for leftover in (old, young):
+        leftover.mkdir()
+        (leftover / "0123456789abcdef-rank00000.distcp").write_bytes(b"partial")
+    os.utime(old / "0123456789abcdef-rank00000.distcp", (1, 1))  # crashed long ago
+    (root / "logs").mkdir()
+    (root / "logs" / "events.txt").write_text("not ours")
+    os.utime(root / "logs" / "events.txt", (1, 1))
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "5", "--dry-run")
+    assert code == 0 and f"would remove leftover {old}" in out and old.exists()
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "5", "--json")
+    assert code == 0 and json.loads(out)["leftovers_removed"] == [str(old)]
+    assert not old.exists() and young.exists() and (root / "logs" / "events.txt").exists()
+    assert len(checkpoint_dirs(root)) == 5  # 3 committed, the young leftover, logs
 
 
 def test_prune_keeps_each_runs_newest(tmp_path, capsys) -> None:
