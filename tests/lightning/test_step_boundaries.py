@@ -9,7 +9,6 @@ its step. 2 CPU ranks, 64 samples, 2 x batch 4: 8 steps per epoch.
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from lightning_elastic.testing.spawn import run_distributed
 from tests.lightning import boundary_workers
+from tests.lightning.test_lightning import manifests
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,14 +42,6 @@ GRID = [
     pytest.param("val_epoch_end", 4, 10, 8, id="val-epoch-end-ckpt4"),
     pytest.param("val_every_2nd_epoch", 4, 18, 16, id="val-every-2nd-epoch-ckpt4"),
 ]
-
-
-def manifests(root: Path) -> dict[int, dict]:
-    out = {}
-    for path in sorted((root / "ckpts").glob("*/manifest.json")):
-        body = json.loads(path.read_text())
-        out[body["step"]] = body
-    return out
 
 
 def fit(root: Path, validation: str, *args: Any, **kwargs: Any) -> list[dict]:
