@@ -18,6 +18,7 @@ __all__ = [
     "checkpoint_after_batch",
     "dump_checkpoint",
     "install_on_connector",
+    "limit_train_batches",
     "metric_reductions",
     "metric_update_count",
     "missing",
@@ -26,9 +27,12 @@ __all__ = [
     "set_loaded_checkpoint",
     "set_metric_update_count",
     "track_scheduler_steps",
+    "train_combined_loader",
+    "train_loader_mode",
     "trainer_of",
     "uninstall_from_connector",
     "unwrap_optimizer",
+    "validates_by_time",
 ]
 
 REQUIREMENTS: tuple[tuple[str, str], ...] = (
@@ -48,6 +52,10 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # rebuilding a dataloader with another sampler (Lightning's sampler injection)
     ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs"),
     ("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls"),
+    # recounting the training epoch after the sampler's length changed (instance attributes
+    # FitLoop._combined_loader, CombinedLoader._mode, Trainer._val_check_time_interval are
+    # checked by tests/unit/test_compat.py on a live trainer)
+    ("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches"),
     # torchmetrics keeps the update count and the reduction of each state privately
     ("torchmetrics", "Metric.metric_state"),
 )
@@ -154,6 +162,33 @@ def reinstantiate_dataloader(dataloader: Any, sampler: Any, **overrides: Any) ->
             raise KeyError(key)
         kwargs[key] = value
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def train_combined_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` of training dataloaders (``_combined_loader``), or
+    ``None`` before the data is set up."""
+    return getattr(trainer.fit_loop, "_combined_loader", None)
+
+
+def train_loader_mode(combined: Any) -> str:
+    """How a ``CombinedLoader`` combines its loaders (``_mode``: ``max_size_cycle`` when
+    Lightning builds it from a plain dataloader)."""
+    return str(getattr(combined, "_mode", "max_size_cycle"))
+
+
+def validates_by_time(trainer: Any) -> bool:
+    """The trainer validates every ``val_check_interval`` of wall time, not every N batches
+    (``_val_check_time_interval``, Lightning >= 2.5; never on older versions)."""
+    return getattr(trainer, "_val_check_time_interval", None) is not None
+
+
+def limit_train_batches(length: int | float, limit: int | float) -> int | float:
+    """Lightning's training epoch length for a loader of ``length`` batches under
+    ``limit_train_batches=limit`` (``_parse_num_batches``)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return _parse_num_batches(RunningStage.TRAINING, length, limit)
 
 
 def track_scheduler_steps(optimizer: Any) -> None:

@@ -42,7 +42,13 @@ from torch.utils.data import (
 
 from lightning_elastic.core.elastic.data_position import DataPosition, epoch_order, rank_indices
 from lightning_elastic.errors import ConfigError, WorldSizeError
-from lightning_elastic.lightning._compat import reinstantiate_dataloader
+from lightning_elastic.lightning._compat import (
+    limit_train_batches,
+    reinstantiate_dataloader,
+    train_combined_loader,
+    train_loader_mode,
+    validates_by_time,
+)
 
 __all__ = ["ElasticSampler", "make_elastic", "sync_training_loop"]
 
@@ -138,7 +144,7 @@ class ElasticSampler(Sampler[int]):
         if self._resumed is not None:
             self._start = self._settle(self._resumed)
         interval = getattr(trainer, "val_check_interval", 1.0)
-        full = _limit(self.full_epoch_batches(), trainer.limit_train_batches)
+        full = limit_train_batches(self.full_epoch_batches(), trainer.limit_train_batches)
         if (
             isinstance(interval, int)
             and getattr(trainer, "check_val_every_n_epoch", None) is not None
@@ -175,7 +181,7 @@ class ElasticSampler(Sampler[int]):
             return position
         trainer = self._followed()
         limit = 1.0 if trainer is None else trainer.limit_train_batches
-        if position.batches >= _limit(self.full_epoch_batches(), limit):
+        if position.batches >= limit_train_batches(self.full_epoch_batches(), limit):
             return dataclasses.replace(position, batches=0)
         return position
 
@@ -294,35 +300,28 @@ def sync_training_loop(trainer: Any) -> None:
     when the epoch's iterator is created, right after ``set_epoch``.
 
     Lightning has no public way to do this short of reloading the dataloaders (which calls
-    the user's ``train_dataloader()`` again); this touches ``FitLoop._combined_loader``,
-    ``FitLoop.max_batches``, ``Trainer.val_check_batch`` and ``_parse_num_batches``.
+    the user's ``train_dataloader()`` again); the private parts it reads are in
+    :mod:`lightning_elastic.lightning._compat`; it sets ``FitLoop.max_batches``,
+    ``CombinedLoader.limits`` and ``Trainer.val_check_batch``.
     """
     from lightning.fabric.utilities.data import sized_len
 
     loop = trainer.fit_loop
-    combined = getattr(loop, "_combined_loader", None)
+    combined = train_combined_loader(trainer)
     if combined is None:
         return
     lengths: list[int | float] = []
     for loader in combined.flattened:
         length = sized_len(loader)
         lengths.append(math.inf if length is None else length)
-    limits = [_limit(length, trainer.limit_train_batches) for length in lengths]
+    limits = [limit_train_batches(length, trainer.limit_train_batches) for length in lengths]
     combined.limits = limits  # read when the epoch's iterator is created
     # not len(combined): that asks the previous epoch's iterator, with the old limits
     counts = [min(length, limit) for length, limit in zip(lengths, limits, strict=True)]
-    mode = getattr(combined, "_mode", "max_size_cycle")
+    mode = train_loader_mode(combined)
     loop.max_batches = (min(counts) if mode == "min_size" else max(counts)) if counts else 0
-    if getattr(trainer, "_val_check_time_interval", None) is not None:
+    if validates_by_time(trainer):
         return  # time-based validation does not count batches
     interval = trainer.val_check_interval
     if not isinstance(interval, int) and loop.max_batches != math.inf:
         trainer.val_check_batch = max(1, int(loop.max_batches * interval))
-
-
-def _limit(length: int | float, limit: int | float) -> int | float:
-    """Lightning's epoch length under ``limit_train_batches`` (``_parse_num_batches``)."""
-    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-    from lightning.pytorch.trainer.states import RunningStage
-
-    return _parse_num_batches(RunningStage.TRAINING, length, limit)

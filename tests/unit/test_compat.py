@@ -65,3 +65,29 @@ def test_manifest_only_cli_verbs_import_neither_lightning_nor_torch(tmp_path: ob
     )
     loaded = _modules_after(code)
     assert "torch" not in loaded and "lightning" not in loaded
+
+
+def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_trainer(
+    tmp_path: object,
+) -> None:
+    """The instance attributes behind ``train_combined_loader``, ``train_loader_mode`` and
+    ``validates_by_time`` exist on a trainer that has set its data up."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=0.5,
+    )
+    trainer.fit(BoringModel())
+    combined = lightning_compat.train_combined_loader(trainer)
+    assert combined is not None and hasattr(combined, "_mode")
+    assert lightning_compat.train_loader_mode(combined) == "max_size_cycle"
+    assert hasattr(trainer, "_val_check_time_interval")
+    assert not lightning_compat.validates_by_time(trainer)
+    assert lightning_compat.limit_train_batches(64, 0.5) == 32
