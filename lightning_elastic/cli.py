@@ -607,6 +607,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
+    if not 0 <= args.leftover_grace < math.inf:  # also refuses nan, before deleting anything
+        raise CliError(
+            f"--leftover-grace must be a number of seconds >= 0, got {args.leftover_grace}"
+        )
     storage, entries = _open(args, args.path)
     if _is_checkpoint_dir(entries):
         raise CliError(
@@ -639,8 +643,6 @@ def _prune(args: argparse.Namespace) -> int:
             deleted.append(info)
         except ElasticCheckpointError as exc:
             failed.append((info, str(exc)))
-    if args.leftover_grace < 0:
-        raise CliError(f"--leftover-grace must be >= 0, got {args.leftover_grace}")
     try:  # best effort, like after a commit: a failure here never fails the prune
         collected = collect_garbage(
             storage, catalog, grace_s=args.leftover_grace, dry_run=args.dry_run

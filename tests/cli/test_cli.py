@@ -152,6 +152,13 @@ def test_prune_collects_old_leftovers_and_spares_young_ones(root, capsys) -> Non
     assert len(checkpoint_dirs(root)) == 5  # 3 committed, the young leftover, logs
 
 
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf"])
+def test_prune_refuses_a_bad_grace_before_deleting_anything(root, capsys, grace) -> None:
+    code, _, err = run(capsys, "prune", str(root), "--keep-last", "1", f"--leftover-grace={grace}")
+    assert code == 2 and "--leftover-grace" in err
+    assert len(checkpoint_dirs(root)) == 3
+
+
 def test_prune_keeps_each_runs_newest(tmp_path, capsys) -> None:
     populate(str(tmp_path), steps=(1, 2), run_id="a")
     populate(str(tmp_path), steps=(3, 4), run_id="b")
