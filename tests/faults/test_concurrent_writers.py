@@ -333,34 +333,32 @@ def test_requeued_job_fences_its_old_copy(
 
 
 def test_two_two_rank_jobs_share_a_root(
-    tmp_path: Path, sync_dir: str, capsys: pytest.CaptureFixture[str]
+    backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two 2-rank jobs (4 gloo processes) of different runs save 30 steps into one local root
-    at once; every rank of a job sees the same outcome of every save."""
-    local = Backend(str(tmp_path / "ckpts"), {})
+    """Two 2-rank jobs (4 gloo processes) of different runs save 30 steps into one root at
+    once; every rank of a job sees the same outcome of every save."""
     jobs = [
-        (spec(local, sync_dir, "run-a", "a", async_save=True), 2),
-        (spec(local, sync_dir, "run-b", "b"), 2),
+        (spec(backend, sync_dir, "run-a", "a", async_save=True), 2),
+        (spec(backend, sync_dir, "run-b", "b"), 2),
     ]
     reports = run_jobs(jobs)
     assert [len(reports[j]) for j in ("a", "b")] == [2, 2]
-    conclude(audit(local, reports), local, capsys, {"run-a", "run-b"})
+    conclude(audit(backend, reports), backend, capsys, {"run-a", "run-b"})
 
 
 def test_same_steps_at_the_same_moment(
-    tmp_path: Path, sync_dir: str, capsys: pytest.CaptureFixture[str]
+    backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Two runs meet before every step, so both claim ``step_N`` at the same moment: one gets
     the plain name and the other a suffix (or a typed error, cleaning only its own files), and
     no committed checkpoint's files change afterwards (the audit compares every directory with
     its listing right after the commit)."""
-    local = Backend(str(tmp_path / "ckpts"), {})
     jobs = [
-        (spec(local, sync_dir, "run-a", "a", lockstep=True), 1),
-        (spec(local, sync_dir, "run-b", "b", lockstep=True, async_save=True), 1),
+        (spec(backend, sync_dir, "run-a", "a", lockstep=True), 1),
+        (spec(backend, sync_dir, "run-b", "b", lockstep=True, async_save=True), 1),
     ]
     reports = run_jobs(jobs)
-    result = audit(local, reports)
+    result = audit(backend, reports)
     names: dict[int, list[str]] = defaultdict(list)
     for c in result.commits:
         names[c.outcome.step].append(str(c.outcome.name))
@@ -369,7 +367,7 @@ def test_same_steps_at_the_same_moment(
     suffixed = [n for taken in names.values() for n in taken if "-" in n]
     failed = [o for r in (*reports["a"], *reports["b"]) for o in r.outcomes if o.name is None]
     assert suffixed or failed, "no step collided: nothing was tested"
-    conclude(result, local, capsys, {"run-a", "run-b"})
+    conclude(result, backend, capsys, {"run-a", "run-b"})
 
 
 # --------------------------------------------------------------------------- exact interleavings
