@@ -75,6 +75,8 @@ class CliError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line on ``argv`` (default: ``sys.argv[1:]``) and return the exit code.
+    Errors are printed (as JSON with ``--json``), not raised; see the module docstring."""
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     try:

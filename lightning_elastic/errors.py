@@ -181,9 +181,11 @@ class RankFailure:
 
     @classmethod
     def from_exception(cls, rank: int, phase: Phase | str, exc: BaseException) -> RankFailure:
+        """The failure of ``rank`` in ``phase`` described by ``exc`` (its type name and message)."""
         return cls(rank, phase, type(exc).__name__, str(exc))
 
     def to_json(self) -> dict[str, object]:
+        """The failure as a JSON-safe dict (what :meth:`from_json` reads)."""
         return {
             "rank": self.rank,
             "phase": self.phase,
@@ -193,6 +195,7 @@ class RankFailure:
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> RankFailure:
+        """The failure :meth:`to_json` wrote."""
         return cls(
             int(str(data["rank"])),
             str(data["phase"]),
@@ -227,10 +230,12 @@ class DistributedFailure(ElasticCheckpointError):
 
     @property
     def failed_ranks(self) -> list[int]:
+        """The ranks that failed, in ascending order."""
         return sorted(self.failures)
 
     @property
     def phases(self) -> set[str]:
+        """The phases the failing ranks were in (``Phase`` values)."""
         return {f.phase for f in self.failures.values()}
 
     def __reduce__(self) -> tuple[object, ...]:

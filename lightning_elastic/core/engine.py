@@ -66,6 +66,7 @@ class SaveHandle:
         self.error_seen = False  # the caller already got the error from result()
 
     def done(self) -> bool:
+        """Whether the save has finished, committed or failed (no waiting)."""
         return self._future.done()
 
     def succeeded(self) -> bool:
@@ -73,6 +74,8 @@ class SaveHandle:
         return self._future.done() and self._future.exception() is None
 
     def result(self, timeout: float | None = None) -> SaveResult:
+        """Wait (at most ``timeout`` seconds, ``None``: no limit) for the commit and return its
+        result, or raise the save's error."""
         try:
             return self._future.result(timeout)
         except Exception:
@@ -180,22 +183,28 @@ class CheckpointEngine:
 
     @property
     def rank(self) -> int:
+        """The rank of this process in the checkpoint group."""
         return self.coordinator.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the checkpoint group."""
         return self.coordinator.world_size
 
     @property
     def run_id(self) -> str:
+        """The run id of this engine's saves, agreed by all ranks (a load may adopt the loaded
+        checkpoint's run)."""
         return self._ctx.run_id
 
     @property
     def resumed_from(self) -> str | None:
+        """The name of the checkpoint this engine last loaded, or ``None``."""
         return self._ctx.resumed_from
 
     @property
     def arena(self) -> HostArena:
+        """The host buffer asynchronous saves stage into, reused across saves."""
         return self._ctx.arena
 
     # ------------------------------------------------------------------ saving

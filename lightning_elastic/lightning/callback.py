@@ -187,6 +187,8 @@ class DistributedCheckpoint(Checkpoint):
 
     @property
     def engine(self) -> CheckpointEngine:
+        """The checkpoint engine of ``dirpath``; raises :class:`ConfigError` until ``fit`` sets it
+        up."""
         if self._engine is None:
             raise ConfigError("DistributedCheckpoint is not set up yet (it is set up by fit)")
         return self._engine

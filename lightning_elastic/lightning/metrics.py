@@ -47,6 +47,8 @@ def metric_states(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def restore_metric_states(module: torch.nn.Module, states: Mapping[str, Any]) -> None:
+    """Put back the accumulators :func:`metric_states` saved, by module name; metrics without a
+    saved state are left as they are."""
     for name, metric in _metrics(module).items():
         if name in states:
             saved = states[name]
@@ -56,6 +58,7 @@ def restore_metric_states(module: torch.nn.Module, states: Mapping[str, Any]) ->
 
 
 def reset_metrics(module: torch.nn.Module) -> None:
+    """Reset every torchmetrics ``Metric`` in ``module``."""
     for metric in _metrics(module).values():
         metric.reset()
 

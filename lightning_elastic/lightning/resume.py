@@ -64,6 +64,8 @@ def install_resume_hook(
     auto: bool,
     verify: str,
 ) -> None:
+    """Make ``trainer``'s ``resume_start`` load our checkpoint directories through ``session``,
+    and with ``auto`` and no path the newest valid one of ``engine``'s root (or start fresh)."""
     uninstall_resume_hook(trainer)
     original: Any = None
 
@@ -103,10 +105,12 @@ def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> Non
 
 
 def uninstall_dataloader_hook(trainer: pl.Trainer) -> None:
+    """Undo :func:`install_dataloader_hook` (nothing if it was not installed)."""
     strategy = trainer.strategy
     if strategy.__dict__.pop(_ORIGINAL_PROCESS, None) is not None:
         strategy.__dict__.pop("process_dataloader", None)
 
 
 def uninstall_resume_hook(trainer: pl.Trainer) -> None:
+    """Undo :func:`install_resume_hook` (nothing if it was not installed)."""
     uninstall_from_connector(trainer, "resume_start")

@@ -73,6 +73,8 @@ class ElasticSession:
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
+        """The session of ``trainer``, created and attached to its strategy on first use (or when
+        the strategy's belongs to another trainer)."""
         session = getattr(trainer.strategy, _ATTR, None)
         if session is None or session.trainer is not trainer:
             session = cls(trainer, timeout)
@@ -99,6 +101,8 @@ class ElasticSession:
         return self.engines[key]
 
     def close(self) -> None:
+        """Close every engine and the coordinator; then raise the first error an engine raised,
+        if any."""
         errors = []
         for engine in self.engines.values():
             try:
@@ -288,6 +292,8 @@ class ElasticSession:
 
 
 def topology(world: int) -> dict[str, int]:
+    """World size, local world size (``LOCAL_WORLD_SIZE``) and node count for a world of
+    ``world`` ranks, as saved in checkpoint metadata."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return {
         "world_size": world,

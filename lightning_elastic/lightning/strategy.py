@@ -131,6 +131,7 @@ class ElasticStrategy(DDPStrategy):
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
+        """The devices of this node; under torchrun, one per local rank (``LOCAL_WORLD_SIZE``)."""
         return self._parallel_devices
 
     @parallel_devices.setter
@@ -145,6 +146,7 @@ class ElasticStrategy(DDPStrategy):
 
     @property
     def num_nodes(self) -> int:
+        """The number of nodes; under torchrun, ``WORLD_SIZE // LOCAL_WORLD_SIZE``."""
         return self._num_nodes
 
     @num_nodes.setter
@@ -178,6 +180,8 @@ class ElasticStrategy(DDPStrategy):
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the saved optimizer states, sharded (ZeRO) or plain, into the current optimizers,
+        whichever kind they are and from any world size."""
         names = self._param_names()
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             inner = unwrap_optimizer(optimizer)
@@ -222,6 +226,8 @@ class ElasticStrategy(DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        """Our checkpoint directory ``checkpoint_path`` loaded through the engine (verified,
+        resharded); any other path as Lightning loads it."""
         trainer = self._trainer()
         session = self._session(trainer)
         if not is_elastic_checkpoint(checkpoint_path, session.storage_options):

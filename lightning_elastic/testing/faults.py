@@ -35,6 +35,8 @@ OPS = ("open", "write", "close", "closed", "read", "list", "exists", "delete", "
 
 @dataclass(frozen=True)
 class Fault:
+    """A fault to inject into ``op`` on paths matching ``path`` (see the module docstring)."""
+
     op: str
     path: str = "*"
     error: str = "EIO"
@@ -69,6 +71,8 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
         self.fired: list[tuple[str, str, str]] = []
 
     def inject(self, op: str, path: str) -> None:
+        """Fire the faults that match ``op`` on ``path`` on this rank (the filesystem and its files
+        call it around each operation they delegate)."""
         rank = int(os.environ.get("RANK", "0"))
         for i, fault in enumerate(self.faults):
             if fault.op != op or not fnmatch.fnmatch(str(path), fault.path):

@@ -177,6 +177,7 @@ class RecordingFileSystem(AbstractFileSystem):  # type: ignore[misc]
             records.append({"op": "mv", "path": path1, "dest": path2})
 
     def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        """Copy ``path1`` to ``path2``, logged as one ``copy`` operation."""
         with self._recording() as records:
             self.target.cp_file(path1, path2, **kwargs)
             records.append({"op": "copy", "path": path1, "dest": path2})
@@ -293,6 +294,7 @@ class Op:
     recursive: bool = False
 
     def describe(self) -> str:
+        """The operation as failure messages show it (index, rank, thread, op, paths)."""
         what = f"op #{self.index} (rank {self.rank}, {self.thread}): {self.op} {self.path!r}"
         if self.dest is not None:
             what += f" -> {self.dest!r}"
@@ -365,6 +367,7 @@ class FsModel:
         self.handles: dict[str, _Inode] = {}
 
     def apply(self, op: Op) -> None:
+        """Apply ``op`` to the tree."""
         getattr(self, f"_{op.op}")(op)
 
     def _add_dir(self, path: str) -> None:
@@ -452,6 +455,7 @@ class FsModel:
         return files, frozenset(dirs)
 
     def unclosed(self) -> list[str]:
+        """The files still open for writing, sorted."""
         return sorted(p for p, inode in self.files.items() if inode.open_count > 0)
 
 
@@ -465,16 +469,14 @@ class CrashState:
     dirs: frozenset[str]
     unclosed: tuple[str, ...]
 
-    @property
-    def index(self) -> int:
-        return -1 if self.op is None else self.op.index
-
     def describe(self) -> str:
+        """The crash point as failure messages show it (after which op, variant, unclosed files)."""
         where = "before any operation" if self.op is None else f"after {self.op.describe()}"
         extra = f", unclosed {list(self.unclosed)}" if self.unclosed else ""
         return f"crash {where} [{self.variant}{extra}]"
 
     def fingerprint(self) -> str:
+        """A hash of the tree (directories, file names and contents), equal for equal trees."""
         h = hashlib.sha256()
         for d in sorted(self.dirs):
             h.update(b"d\0" + d.encode() + b"\0")

@@ -31,6 +31,7 @@ class S3Server:
 
     @property
     def storage_options(self) -> dict[str, Any]:
+        """The fsspec options (fake credentials, endpoint) that reach this server through s3fs."""
         return {
             "key": "testing",
             "secret": "testing",
@@ -39,6 +40,7 @@ class S3Server:
         }
 
     def create_bucket(self, name: str) -> str:
+        """Create the bucket ``name`` and return its URL, ``s3://name``."""
         import boto3
 
         client = boto3.client(
@@ -52,4 +54,5 @@ class S3Server:
         return f"s3://{name}"
 
     def stop(self) -> None:
+        """Stop the server."""
         self._server.stop()

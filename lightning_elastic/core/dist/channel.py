@@ -48,6 +48,7 @@ class CommitDecision:
     timeout_s: float = 0.0
 
     def to_json(self) -> str:
+        """The decision as the JSON text published through the store."""
         return json.dumps(
             {
                 "committed": self.committed,
@@ -59,6 +60,7 @@ class CommitDecision:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> CommitDecision:
+        """The decision :meth:`to_json` wrote."""
         data = json.loads(raw)
         return cls(
             committed=bool(data["committed"]),
@@ -104,6 +106,7 @@ class CommitChannel:
         return "/".join([self.namespace, "save", save_id, *(str(p) for p in parts)])
 
     def report(self, save_id: str, report: Mapping[str, Any]) -> None:
+        """Post this rank's report for ``save_id`` (JSON-serializable) for rank 0 to collect."""
         self.store.set(self._key(save_id, "report", self.rank), json.dumps(report))
 
     def collect(self, save_id: str, deadline: float, checkpoint: str) -> dict[int, dict[str, Any]]:
@@ -129,6 +132,7 @@ class CommitChannel:
         raise SaveTimeoutError(checkpoint, Phase.COMMIT, missing, self.timeout_s)
 
     def missing_reports(self, save_id: str) -> list[int]:
+        """The ranks whose report for ``save_id`` is not in the store yet (no waiting)."""
         return [
             r
             for r in range(self.world_size)
@@ -136,6 +140,7 @@ class CommitChannel:
         ]
 
     def publish(self, save_id: str, decision: CommitDecision) -> None:
+        """Rank 0: post the decision on ``save_id`` for the other ranks to await."""
         self.store.set(self._key(save_id, "decision"), decision.to_json())
 
     def await_decision(self, save_id: str, deadline: float, checkpoint: str) -> CommitDecision:

@@ -99,6 +99,7 @@ class Coordinator:
 
     @classmethod
     def single_process(cls, timeout: timedelta = timedelta(minutes=10)) -> Coordinator:
+        """A coordinator for a job of one process: rank 0 of 1, no group, a private in-memory store."""
         return cls(rank=0, world_size=1, group=None, store=_hash_store(), timeout=timeout)
 
     @classmethod
@@ -141,13 +142,16 @@ class Coordinator:
 
     @property
     def is_coordinator(self) -> bool:
+        """Whether this is rank 0, the rank that decides and commits."""
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
+        """Whether there are other ranks to talk to (a group and a world size above 1)."""
         return self.group is not None and self.world_size > 1
 
     def key(self, *parts: object) -> str:
+        """A store key in this coordinator's namespace: ``namespace/part/part/...``."""
         return "/".join([self.namespace, *(str(p) for p in parts)])
 
     # ------------------------------------------------------------------ collectives

@@ -53,6 +53,7 @@ class Lease:
     started_unix: float
 
     def describe(self) -> str:
+        """The lease as messages show it: generation, host, pid and start time (UTC)."""
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_unix))
         return f"generation {self.generation} (host {self.host}, pid {self.pid}, since {started})"
 

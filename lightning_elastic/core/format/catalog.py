@@ -112,6 +112,8 @@ class CheckpointInfo:
 
     @property
     def step(self) -> int | None:
+        """The training step: from the manifest, else the staging record, else the directory name
+        (``None`` when none tells)."""
         if self.manifest is not None:
             return self.manifest.step
         if self.staging is not None:
@@ -121,12 +123,15 @@ class CheckpointInfo:
 
     @property
     def run_id(self) -> str | None:
+        """The run that wrote the checkpoint (manifest, else staging record), or ``None``."""
         if self.manifest is not None:
             return self.manifest.run_id
         return self.staging.run_id if self.staging is not None else None
 
     @property
     def created_unix(self) -> float:
+        """When the checkpoint was committed (manifest) or claimed (staging record), in Unix
+        seconds; 0.0 when unknown."""
         if self.manifest is not None:
             return self.manifest.created_unix
         return self.staging.created_unix if self.staging is not None else 0.0
@@ -144,6 +149,7 @@ class CheckpointInfo:
         return (self.manifest is None, self.sequence, self.created_unix, self.name)
 
     def to_json(self) -> dict[str, object]:
+        """The summary row the CLI prints with ``--json``."""
         m = self.manifest
         return {
             "name": self.name,
@@ -179,6 +185,8 @@ class Catalog:
         return sorted(infos, key=CheckpointInfo.sort_key)
 
     def info(self, name: str) -> CheckpointInfo:
+        """The checkpoint directory ``name``; raises :class:`CheckpointNotFoundError` when there is
+        no checkpoint there."""
         entries = self.storage.listdir(name)
         info = self._inspect(name, entries)
         if info is None:
@@ -192,6 +200,7 @@ class Catalog:
         return [i for i in reversed(self.scan()) if i.status == VALID]
 
     def forget(self, name: str) -> None:
+        """Drop the cached manifests of ``name`` (its manifest was deleted or is being replaced)."""
         self._manifests = {k: v for k, v in self._manifests.items() if k[0] != name}
 
     def quarantine(self, name: str, file: str, reason: str) -> None:

@@ -58,10 +58,12 @@ class ItemLocation:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype's name without the ``torch.`` prefix (``float32``), as the metadata stores it."""
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    """The ``torch.dtype`` called ``name``; raises :class:`ManifestError` for an unknown name."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ManifestError(f"unknown tensor dtype {name!r} in checkpoint metadata")
@@ -69,6 +71,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def metadata_to_json(metadata: Metadata, skeleton: Skeleton = None) -> str:
+    """DCP ``metadata`` (and the state's ``skeleton``) as the compact JSON that
+    :func:`read_metadata` parses back."""
     tensors: dict[str, Any] = {}
     objects: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():

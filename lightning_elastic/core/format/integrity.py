@@ -29,6 +29,7 @@ class Problem:
 
 
 def check_verify_mode(mode: str) -> str:
+    """``mode``, checked: raises :class:`ConfigError` unless it is one of :data:`VERIFY_MODES`."""
     if mode not in VERIFY_MODES:
         raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {mode!r}")
     return mode

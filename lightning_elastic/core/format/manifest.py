@@ -70,10 +70,12 @@ _MAX_SECONDS = 1e9
 
 
 def shard_file_name(save_id: str, rank: int) -> str:
+    """The shard file that ``rank`` writes in save ``save_id``: ``<save_id>-rank00001.distcp``."""
     return f"{save_id}-rank{rank:05d}{SHARD_SUFFIX}"
 
 
 def dcp_metadata_file_name(save_id: str) -> str:
+    """The DCP metadata file of save ``save_id``: ``<save_id>-dcp_metadata.json``."""
     return f"{save_id}-dcp_metadata.json"
 
 
@@ -154,6 +156,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """The size of all the checkpoint's files together, in bytes."""
         return sum(f.size for f in self.files)
 
     def to_json(self, hmac_key: bytes | None = None) -> str:
@@ -311,10 +314,12 @@ class StagingRecord:
     created_unix: float
 
     def to_json(self) -> str:
+        """The record as JSON (sorted keys)."""
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> StagingRecord:
+        """Parse and validate; raises :class:`ManifestError` naming ``where`` when malformed."""
         data = _load_object(text, where, "staging record")
         try:
             return cls(
@@ -336,10 +341,13 @@ class QuarantineRecord:
     quarantined_unix: float
 
     def to_json(self) -> str:
+        """The record as JSON (sorted keys)."""
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> QuarantineRecord:
+        """Parse the record; an unreadable one still reads back (file ``"?"``), since the
+        marker alone means the checkpoint is quarantined."""
         try:
             data = _load_object(text, where, "quarantine record")
             return cls(str(data["file"]), str(data["reason"]), float(data["quarantined_unix"]))

@@ -38,6 +38,7 @@ def _is_terminal(value: Any) -> bool:
 
 
 def describe(value: Any) -> Skeleton:
+    """The skeleton of ``value`` (``None`` for a leaf), following DCP's traversal rules."""
     if isinstance(value, Mapping):
         return {"d": [[_key(k), describe(v)] for k, v in value.items()]}
     if _is_terminal(value):

@@ -71,10 +71,6 @@ class ShardReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never auto-selected by DCP; always passed explicitly
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.storage.url
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage_data = cast(dict[MetadataIndex, ItemLocation], self.metadata.storage_data)
         located = []

@@ -33,6 +33,8 @@ __all__ = [
 
 
 class RetentionPolicy(Protocol):
+    """What every retention policy offers: the names to keep among a run's checkpoints."""
+
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
         """Names to keep among ``checkpoints`` (valid, this run's, oldest first)."""
         ...
@@ -49,6 +51,7 @@ class KeepLastN:
             raise ConfigError(f"keep_last_n must be >= 1, got {self.n}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        """The names of the ``n`` newest (last) of ``checkpoints``."""
         return {c.name for c in checkpoints[-self.n :]}
 
 
@@ -63,6 +66,7 @@ class KeepEveryNSteps:
             raise ConfigError(f"keep_every_n_steps must be >= 1, got {self.n}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        """The names of the checkpoints whose step is a multiple of ``n``."""
         return {c.name for c in checkpoints if c.step is not None and c.step % self.n == 0}
 
 
@@ -86,6 +90,8 @@ class KeepBestK:
             raise ConfigError("keep_best_k needs the name of a metric to monitor")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        """The names of the ``k`` checkpoints with the lowest (``min``) or highest (``max``) value
+        of ``monitor``."""
         scored = [
             (c.manifest.metrics[self.monitor], i, c.name)
             for i, c in enumerate(checkpoints)
@@ -101,6 +107,7 @@ class KeepAll:
     """Keep everything."""
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        """The names of all ``checkpoints``."""
         return {c.name for c in checkpoints}
 
 

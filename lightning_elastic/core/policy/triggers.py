@@ -40,6 +40,7 @@ class EveryNSteps:
             raise ConfigError(f"every_n_train_steps must be >= 1, got {self.n}")
 
     def due(self, step: int) -> bool:
+        """Whether a save is due at global step ``step``."""
         return step > 0 and step % self.n == 0
 
 
@@ -54,6 +55,7 @@ class EveryNEpochs:
             raise ConfigError(f"every_n_epochs must be >= 1, got {self.n}")
 
     def due(self, epoch: int) -> bool:
+        """Whether a save is due at the end of ``epoch``."""
         return (epoch + 1) % self.n == 0
 
 
@@ -70,15 +72,19 @@ class EveryInterval:
             raise ConfigError(f"train_time_interval must be positive, got {self.seconds}s")
 
     def start(self) -> None:
+        """Start counting now (the callback calls it when training starts)."""
         self.last = self.clock()
 
     def due(self) -> bool:
+        """Whether ``seconds`` have passed since the last save; the first call starts the interval
+        when :meth:`start` was not called."""
         if self.last is None:
             self.start()
         assert self.last is not None
         return self.clock() - self.last >= self.seconds
 
     def saved(self) -> None:
+        """Record a save now: the next one is due ``seconds`` from here."""
         self.last = self.clock()
 
 
@@ -91,12 +97,14 @@ class SignalFlag:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
+        """Install the handlers, keeping the previous ones; does nothing outside the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return  # handlers can only be installed from the main thread
         for signum in self.signals:
             self._previous[signum] = signal_module.signal(signum, self._handle)
 
     def uninstall(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
         for signum, previous in self._previous.items():
             signal_module.signal(signum, previous)
         self._previous.clear()
@@ -115,6 +123,7 @@ class StepDecision:
 
     @property
     def save(self) -> bool:
+        """Whether to save now: the interval is due, a rank asked, or a signal arrived."""
         return self.time_due or self.requested or self.signal != 0
 
 
@@ -127,6 +136,8 @@ class Agreement:
     def decide(
         self, *, interval: EveryInterval | None, flag: SignalFlag | None, requested: bool
     ) -> StepDecision:
+        """The decision every rank shares for this step boundary (a collective: all ranks call it
+        together); only rank 0 checks ``interval``."""
         time_due = interval is not None and self.coordinator.is_coordinator and interval.due()
         received = flag.received if flag is not None else 0
         signum, due, asked = self.coordinator.max_ints(

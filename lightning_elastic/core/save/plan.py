@@ -58,6 +58,8 @@ class PlanCache:
 
 
 def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest) -> PlannedSave:
+    """Every rank, together: the plan of this save of ``state_dict``, rank 0 having claimed its
+    directory (see the module docstring). A failure on any rank is raised on every rank."""
     coord = ctx.coordinator
     planner = DefaultSavePlanner()
     started = time.monotonic()

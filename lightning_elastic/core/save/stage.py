@@ -61,6 +61,7 @@ class Payload:
 
     @property
     def data_bytes(self) -> int:
+        """The items' bytes, padding excluded."""
         return sum(item.length for item in self.items)
 
     def chunks(self) -> Iterator[memoryview]:
@@ -89,6 +90,8 @@ class HostArena:
 
     @property
     def capacity(self) -> int:
+        """The size of the current buffer in bytes (0 before the first :meth:`reserve` or after
+        :meth:`release`)."""
         return 0 if self._buffer is None else self._buffer.numel()
 
     def reserve(self, nbytes: int) -> torch.Tensor:
@@ -101,6 +104,7 @@ class HostArena:
         return self._buffer[:nbytes]
 
     def release(self) -> None:
+        """Drop the buffer (the next :meth:`reserve` allocates a new one)."""
         self._buffer = None
 
 

@@ -27,11 +27,15 @@ _ZSTD_DESCRIPTOR = "stream.zstd/1"
 
 @dataclass(frozen=True)
 class ShardWrite:
+    """A written shard file: its size and checksum, and DCP's result for each item."""
+
     written: Written
     results: tuple[WriteResult, ...]
 
 
 def check_compression(compression: str | None) -> None:
+    """Raise :class:`ConfigError` unless ``compression`` is supported and, for ``"zstd"``,
+    the zstandard package is installed."""
     if compression not in COMPRESSIONS:
         raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if compression == "zstd" and not dcp_zstd_available():

@@ -21,9 +21,15 @@ __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Hasher", "new_hasher"]
 
 
 class Hasher(Protocol):
-    def update(self, data: bytes | bytearray | memoryview) -> None: ...
+    """An incremental checksum (the part of ``hashlib``'s interface the writers use)."""
 
-    def hexdigest(self) -> str: ...
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Add ``data`` to the checksum."""
+        ...
+
+    def hexdigest(self) -> str:
+        """The checksum of all the data so far, in hexadecimal."""
+        ...
 
 
 class _Crc32:
