@@ -19,6 +19,9 @@ _EXPORTS = {
     "CheckpointInfo": "lightning_elastic.core.format.catalog",
     "Manifest": "lightning_elastic.core.format.manifest",
     "LoadResult": "lightning_elastic.core.load.load",
+    "consolidate": "lightning_elastic.core.load.consolidate",
+    "LoadedWeights": "lightning_elastic.core.load.weights",
+    "load_weights": "lightning_elastic.core.load.weights",
     "KeepAll": "lightning_elastic.core.policy.retention",
     "KeepBestK": "lightning_elastic.core.policy.retention",
     "KeepEveryNSteps": "lightning_elastic.core.policy.retention",
@@ -52,6 +55,7 @@ _EXPORTS = {
             "TransientStorageError",
             "UnsafeCheckpointError",
             "UnsupportedFormatError",
+            "WeightsMismatchError",
             "WorldSizeError",
         )
     },
@@ -63,7 +67,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
     from lightning_elastic.core.format.catalog import CheckpointInfo
     from lightning_elastic.core.format.manifest import Manifest
+    from lightning_elastic.core.load.consolidate import consolidate
     from lightning_elastic.core.load.load import LoadResult
+    from lightning_elastic.core.load.weights import LoadedWeights, load_weights
     from lightning_elastic.core.policy.retention import (
         KeepAll,
         KeepBestK,
@@ -94,6 +100,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
         TransientStorageError,
         UnsafeCheckpointError,
         UnsupportedFormatError,
+        WeightsMismatchError,
         WorldSizeError,
     )
     from lightning_elastic.lightning.callback import DistributedCheckpoint

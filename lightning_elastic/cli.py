@@ -55,7 +55,11 @@ from lightning_elastic.core.policy.housekeeping import (
 )
 from lightning_elastic.core.policy.retention import KeepEveryNSteps, KeepLastN, plan_deletions
 from lightning_elastic.core.storage.base import Entry, Storage
-from lightning_elastic.errors import CheckpointNotFoundError, ElasticCheckpointError
+from lightning_elastic.errors import (
+    CheckpointNotFoundError,
+    ElasticCheckpointError,
+    IntegrityError,
+)
 
 __all__ = ["main"]
 
@@ -706,45 +710,28 @@ def _report_prune(
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    output = os.path.abspath(args.output)
-    if os.path.isdir(output):
-        raise CliError(f"{args.output} is a directory: name the file to write")
-    if not os.path.isdir(os.path.dirname(output)):
-        raise CliError(f"cannot write {args.output}: its directory does not exist")
-    root, info = _checkpoint(args, args.path)
+    """Checks that ``args.path`` names one checkpoint (the CLI's own diagnosis of what the path
+    is instead), then :func:`lightning_elastic.core.load.consolidate.consolidate` does the rest:
+    the same code as ``lightning_elastic.consolidate``."""
+    _root, info = _checkpoint(args, args.path)
     if info.status != VALID or info.manifest is None:
         raise CliError(f"{info.location} is {info.status}: {info.problem}", EXIT_BAD_CHECKPOINT)
-    row = _check_all(args, root, [info], "full")[0]
-    if row.status != VALID.value:
-        raise CliError(f"{info.location} is {row.status}: {row.problem}", EXIT_BAD_CHECKPOINT)
 
-    import torch
-
-    from lightning_elastic.core.load.load import read_full_state
+    from lightning_elastic.core.load.consolidate import consolidate
 
     start = time.monotonic()
-    ckpt = root.child(info.name)
-    bar = _bar(args, _total(info), "reading")
     try:
-        _count_reads(ckpt, bar.update)
-        state = read_full_state(
-            ckpt, include_rank_state=args.include_rank_state, trusted=args.trusted
+        consolidate(
+            args.path,
+            args.output,
+            storage_options=_options(args),
+            trusted=args.trusted,
+            include_rank_state=args.include_rank_state,
+            progress=lambda desc, total: _bar(args, total, desc),
         )
-    finally:
-        bar.close()
-    # Written beside the output and renamed: an interrupted run leaves no half-written file.
-    tmp = f"{output}.tmp-{os.getpid()}"
-    bar = _bar(args, None, "writing")
-    try:
-        with open(tmp, "wb") as raw:
-            torch.save(state, _CountingFile(raw, bar.update))  # type: ignore[arg-type]
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    finally:
-        bar.close()
+    except IntegrityError as exc:
+        message = f"{info.location} is corrupt: {exc.file}: {exc.reason}"
+        raise CliError(message, EXIT_BAD_CHECKPOINT) from None
     summary = {
         "checkpoint": info.location,
         "output": args.output,
@@ -752,39 +739,6 @@ def _consolidate(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary) if args.json else f"wrote {args.output} from {info.location}")
     return EXIT_OK
-
-
-def _count_reads(storage: Storage, update: Callable[[int], None]) -> None:
-    """Report the bytes ``storage`` reads (this instance only) to a progress bar."""
-    read_bytes, read_into = storage.read_bytes, storage.read_into
-
-    def counted_bytes(rel: str, start: int = 0, length: int | None = None) -> bytes:
-        data = read_bytes(rel, start, length)
-        update(len(data))
-        return data
-
-    def counted_into(rel: str, offset: int, out: memoryview) -> None:
-        read_into(rel, offset, out)
-        update(out.nbytes)
-
-    storage.read_bytes = counted_bytes  # type: ignore[method-assign]
-    storage.read_into = counted_into  # type: ignore[method-assign]
-
-
-class _CountingFile:
-    """A writable file that reports the bytes written (``torch.save`` needs write/flush)."""
-
-    def __init__(self, raw: Any, update: Callable[[int], None]) -> None:
-        self._raw = raw
-        self._update = update
-
-    def write(self, data: Any) -> int:
-        n: int = self._raw.write(data)
-        self._update(n)
-        return n
-
-    def flush(self) -> None:
-        self._raw.flush()
 
 
 # ----------------------------------------------------------------------------- formatting

@@ -36,6 +36,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "UntrustedManifestError",
+    "WeightsMismatchError",
     "WorldSizeError",
 ]
 
@@ -135,6 +136,48 @@ class IntegrityError(ElasticCheckpointError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.checkpoint, self.file, self.reason))
+
+
+class WeightsMismatchError(ElasticCheckpointError, RuntimeError):
+    """A checkpoint's weights do not fit the module they are loaded into (``load_weights``).
+
+    ``key`` names the first mismatching entry; ``checkpoint_shape`` / ``model_shape`` are its
+    shapes (``None`` on the side that lacks it). Nothing was loaded into the module.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        key: str,
+        checkpoint_shape: tuple[int, ...] | None,
+        model_shape: tuple[int, ...] | None,
+        hint: str = "",
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.key = key
+        self.checkpoint_shape = checkpoint_shape
+        self.model_shape = model_shape
+        self.hint = hint
+        if checkpoint_shape is None:
+            what = f"the model has {key!r} {_shape(model_shape)}, the checkpoint has no such key"
+        elif model_shape is None:
+            what = f"the checkpoint has {key!r} {_shape(checkpoint_shape)}, the model has not"
+        else:
+            what = (
+                f"{key!r} is {_shape(checkpoint_shape)} in the checkpoint and "
+                f"{_shape(model_shape)} in the model"
+            )
+        super().__init__(f"weights of {checkpoint} do not fit the model: {what}. {hint}".strip())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (self.checkpoint, self.key, self.checkpoint_shape, self.model_shape, self.hint),
+        )
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "(not a tensor)" if shape is None else f"of shape {tuple(shape)}"
 
 
 class CorruptCheckpointWarning(UserWarning):

@@ -33,7 +33,7 @@ from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
 from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, load_checkpoint
 from lightning_elastic.core.load.select import select_checkpoint
-from lightning_elastic.core.policy.retention import RetentionPolicy
+from lightning_elastic.core.policy.retention import KeepBestK, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
 from lightning_elastic.core.save.plan import plan_save
 from lightning_elastic.core.save.request import SaveContext, SaveRequest, SaveResult
@@ -297,6 +297,28 @@ class CheckpointEngine:
         check_verify_mode(verify)
         return select_checkpoint(
             self.storage, self.catalog, self.coordinator, None, verify, run_id=self._run_filter()
+        )
+
+    def best(
+        self, monitor: str, mode: str = "min", *, verify: str = "full"
+    ) -> CheckpointInfo | None:
+        """The valid checkpoint with the best ``monitor`` value recorded in its manifest
+        (``mode``: ``"min"`` or ``"max"``; ties go to the newer), or ``None`` when none
+        recorded it. Collective like :meth:`latest`: rank 0 ranks, every rank verifies, and a
+        corrupt candidate is quarantined and the next best tried. Load it with
+        ``load(checkpoint=info.name, verify="none")`` (it was just verified)."""
+        check_verify_mode(verify)
+        if not monitor or not isinstance(monitor, str):
+            raise ConfigError(f"best() needs the name of a recorded metric, got {monitor!r}")
+        ranking = KeepBestK(1, monitor, mode)  # validates mode (ConfigError)
+        return select_checkpoint(
+            self.storage,
+            self.catalog,
+            self.coordinator,
+            None,
+            verify,
+            run_id=self._run_filter(),
+            order=ranking.ranked,
         )
 
     def load(

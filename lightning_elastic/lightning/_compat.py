@@ -8,6 +8,7 @@ that moved, before a training run finds out.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,14 @@ __all__ = [
     "uninstall_from_connector",
     "unwrap_optimizer",
     "validates_by_time",
+    "wrap_checkpoint_loaders",
+    "wrap_ckpt_path_parser",
 ]
+
+# modules whose `pl_load` reads checkpoint files: saving.py (load_from_checkpoint) and
+# torch_io.py (TorchCheckpointIO, what Trainer.fit/validate/test/predict(ckpt_path=) use)
+_CHECKPOINT_LOADERS = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io")
+_WRAPPED = "__lightning_elastic_wrapped__"
 
 REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # the trainer's checkpoint connector: resume_start is where Lightning loads a checkpoint,
@@ -48,6 +56,14 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "_CheckpointConnector.dump_checkpoint",
     ),
     ("lightning.pytorch.utilities.migration.utils", "_pl_migrate_checkpoint"),
+    # where ckpt_path="last"/"best" become paths (before any callback is set up)
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector._parse_ckpt_path",
+    ),
+    # the file loader (cloud_io._load) that LightningModule.load_from_checkpoint and
+    # TorchCheckpointIO.load_checkpoint call, under the name each module imported it as
+    *((module, "pl_load") for module in _CHECKPOINT_LOADERS),
     ("lightning.fabric.utilities.optimizer", "_optimizer_to_device"),
     # rebuilding a dataloader with another sampler (Lightning's sampler injection)
     ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs"),
@@ -137,6 +153,33 @@ def uninstall_from_connector(trainer: Any, name: str) -> None:
     connector = trainer._checkpoint_connector
     if connector.__dict__.pop(f"_lightning_elastic_original_{name}", None) is not None:
         connector.__dict__.pop(name, None)
+
+
+def wrap_checkpoint_loaders(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace Lightning's checkpoint file loader ``pl_load(path, map_location, weights_only)``
+    in the modules that call it (``load_from_checkpoint``, ``TorchCheckpointIO``) with
+    ``wrap(original)``; idempotent: a loader wrapped once is never wrapped again."""
+    for name in _CHECKPOINT_LOADERS:
+        module = importlib.import_module(name)
+        namespace = vars(module)  # pl_load is an import alias there (not re-exported, for mypy)
+        if not getattr(namespace["pl_load"], _WRAPPED, False):
+            namespace["pl_load"] = _marked(wrap(namespace["pl_load"]))
+
+
+def wrap_ckpt_path_parser(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``_CheckpointConnector._parse_ckpt_path(self, state_fn, ckpt_path, ...)``, which
+    turns ``ckpt_path="last"/"best"`` into a path, with ``wrap(original)`` for every trainer;
+    idempotent like :func:`wrap_checkpoint_loaders`."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    current = _CheckpointConnector._parse_ckpt_path
+    if not getattr(current, _WRAPPED, False):
+        _CheckpointConnector._parse_ckpt_path = _marked(wrap(current))  # type: ignore[method-assign]
+
+
+def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(fn, _WRAPPED, True)
+    return fn
 
 
 def set_loaded_checkpoint(trainer: Any, checkpoint: dict[str, Any], location: str) -> None:

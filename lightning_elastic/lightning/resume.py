@@ -7,7 +7,9 @@ rank before the strategy sets up. We wrap that one method for the duration of a 
 * ``path`` is one of our checkpoint directories: load it through the engine (verified,
   resharded) instead of ``torch.load``;
 * ``path`` is ``None`` during ``fit`` with ``resume="auto"``: load the newest valid checkpoint
-  of the callback's directory, chosen once by rank 0 and broadcast, or start fresh.
+  of the callback's directory, chosen once by rank 0 and broadcast, or start fresh;
+* ``path`` is ``"last"``/``"best"`` made a :class:`~.aliases.CheckpointAlias`: the newest, or
+  the best by the callback's ``monitor``, of the callback's directory.
 
 Lightning then restores model, callbacks, loops, optimizers and schedulers from the loaded
 dict as it would from its own file; per-rank state is handed back by the session.
@@ -29,6 +31,7 @@ from lightning_elastic.lightning._compat import (
     set_loaded_checkpoint,
     uninstall_from_connector,
 )
+from lightning_elastic.lightning.aliases import CheckpointAlias, resolve_alias
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -75,6 +78,10 @@ def install_resume_hook(
             if checkpoint is None:
                 rank_zero_info(f"no valid checkpoint in {engine.storage.display()}: starting fresh")
                 return original(checkpoint_path, weights_only=weights_only)  # type: ignore[no-any-return]
+        elif isinstance(checkpoint_path, CheckpointAlias):  # "last"/"best", see aliases.py
+            checkpoint = resolve_alias(checkpoint_path, session, verify=verify)
+            if checkpoint is None:
+                return original(None, weights_only=weights_only)  # type: ignore[no-any-return]
         elif is_elastic_checkpoint(checkpoint_path, session.storage_options):
             root, name = split_location(checkpoint_path)
             checkpoint = session.load(session.engine(root), name=name, verify=verify)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Skeleton", "build", "describe", "merge", "subtree"]
+__all__ = ["Skeleton", "build", "describe", "keys", "merge", "subtree"]
 
 Skeleton = dict[str, Any] | None
 Path = tuple[str | int, ...]
@@ -87,3 +87,8 @@ def subtree(skeleton: Skeleton, keys: tuple[str | int, ...]) -> Skeleton:
             raise KeyError(keys)
         node = found[0]
     return node
+
+
+def keys(skeleton: Skeleton) -> list[str | int]:
+    """The keys of the mapping ``skeleton`` describes (``[]`` for a leaf or a list)."""
+    return [k for k, _ in (skeleton or {}).get("d", [])]

@@ -50,7 +50,9 @@ __all__ = [
     "LoadResult",
     "load_checkpoint",
     "read_full_state",
+    "read_into",
     "read_rank_states",
+    "read_template",
 ]
 
 log = logging.getLogger(__name__)
@@ -148,17 +150,34 @@ def read_full_state(
 ) -> dict[str, Any]:
     """The whole checkpoint as one nested dict, in this process (for export/consolidation).
     ``trusted`` as for :func:`load_checkpoint`."""
-    metadata, skeleton = read_checkpoint_metadata(ckpt)
-    state = _template(metadata, skeleton, ()) or {}
+    state = read_template(ckpt) or {}
     if not include_rank_state:
         state.pop(RANK_LOCAL_KEY, None)
-    coord = Coordinator.single_process()
+    read_into(ckpt, state, trusted=trusted)
+    return state
+
+
+def read_template(ckpt: Storage, prefix: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """What checkpoint ``ckpt`` saved under the mapping keys ``prefix``, as an empty nested
+    state nested under those keys: tensors allocated with the saved shapes and dtypes (not
+    read), objects ``None``; ``None`` when nothing was saved there. Nothing but the DCP
+    metadata is read: prune it and pass it to :func:`read_into` to read a part only."""
+    metadata, skeleton = read_checkpoint_metadata(ckpt)
+    node: dict[str, Any] | None = _template(metadata, skeleton, prefix)
+    return node
+
+
+def read_into(ckpt: Storage, state: dict[str, Any], *, trusted: bool = False) -> None:
+    """Fill ``state`` (a :func:`read_template`, whole or pruned) from checkpoint ``ckpt`` in
+    this process, no collective: only the bytes of the entries it holds are read (DCP
+    reshards N -> 1). ``trusted`` as for :func:`load_checkpoint`."""
+    metadata, _ = read_checkpoint_metadata(ckpt)
     info = CheckpointInfo(ckpt.url, ckpt.display(), VALID)
     if trusted:
         warn_trusted(info.location)
     reader = ShardReader(ckpt, metadata)
+    coord = Coordinator.single_process()
     _dcp_load(state, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
-    return state
 
 
 class _LoadPlanner(DefaultLoadPlanner):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
@@ -36,12 +37,15 @@ def select_checkpoint(
     verify: str,
     *,
     run_id: str | None = None,
+    order: Callable[[list[CheckpointInfo]], list[CheckpointInfo]] | None = None,
 ) -> CheckpointInfo | None:
     """The checkpoint to load, verified with ``verify``.
 
     With ``name`` that checkpoint or an :class:`IntegrityError`. Without, the most recently
     committed valid one (commit order, not step; only run ``run_id``'s when given), walking
-    back past corrupt ones, which are quarantined with a warning; or ``None``.
+    back past corrupt ones, which are quarantined with a warning; or ``None``. ``order``
+    replaces "newest first": it receives the scan (oldest first) and returns the candidates
+    in the order to try (rank 0 calls it; e.g. best first by a metric, see ``KeepBestK``).
     """
     if name is not None:
         info = coord.broadcast(
@@ -53,8 +57,9 @@ def select_checkpoint(
             raise CheckpointNotFoundError(f"{info.location} is {info.status}: {info.problem}")
         raise_first(info.location, _verify(storage, coord, info, verify))
         return info
+    rank = order or _newest_first
     candidates = coord.broadcast(
-        Phase.LOAD_SELECT, lambda: list(reversed(catalog.scan())), error=CheckpointLoadError
+        Phase.LOAD_SELECT, lambda: rank(catalog.scan()), error=CheckpointLoadError
     )
     for info in candidates:
         if run_id is not None and info.run_id != run_id:
@@ -78,6 +83,10 @@ def select_checkpoint(
         first = sorted(problems, key=lambda p: p.file)[0]
         _quarantine(catalog, coord, info, first.file, first.reason)
     return None
+
+
+def _newest_first(scan: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    return list(reversed(scan))
 
 
 def _verify(storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: str) -> list[Problem]:

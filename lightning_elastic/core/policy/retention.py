@@ -92,14 +92,19 @@ class KeepBestK:
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
         """The names of the ``k`` checkpoints with the lowest (``min``) or highest (``max``) value
         of ``monitor``."""
+        return {c.name for c in self.ranked(checkpoints)[: self.k]}
+
+    def ranked(self, checkpoints: Sequence[CheckpointInfo]) -> list[CheckpointInfo]:
+        """Those of ``checkpoints`` (oldest first) that recorded ``monitor``, best first; of
+        equal scores the later one first. ``ckpt_path="best"`` walks this order too."""
         scored = [
-            (c.manifest.metrics[self.monitor], i, c.name)
+            (c.manifest.metrics[self.monitor], i, c)
             for i, c in enumerate(checkpoints)
             if c.manifest is not None and self.monitor in c.manifest.metrics
         ]
         sign = 1.0 if self.mode == "min" else -1.0
         scored.sort(key=lambda t: (sign * t[0], -t[1]))
-        return {name for _, _, name in scored[: self.k]}
+        return [c for _, _, c in scored]
 
 
 @dataclass(frozen=True)
