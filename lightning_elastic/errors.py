@@ -14,6 +14,7 @@ __all__ = [
     "TRUSTED_HINT",
     "CheckpointExistsError",
     "CheckpointLoadError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CheckpointTimeoutError",
@@ -182,6 +183,12 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 
 class CorruptCheckpointWarning(UserWarning):
     """A checkpoint failed verification and was skipped (and quarantined)."""
+
+
+class CheckpointMismatchError(ConfigError):
+    """The checkpoint was written by a different model or experiment than the one being
+    trained (other parameter names or shapes, other hyperparameters); the message names the
+    first difference and what to pass instead."""
 
 
 class WorldSizeError(ConfigError):

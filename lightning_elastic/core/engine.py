@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -146,6 +147,10 @@ class CheckpointEngine:
             raise ConfigError(f"leftover_grace must be >= 0, got {leftover_grace}")
         check_compression(compression)
         new_hasher(checksum)  # validates the name
+        if run_id is not None and not (isinstance(run_id, str) and is_plain_name(run_id)):
+            raise ConfigError(
+                f"run id must be a plain name (letters, digits, '.', '_', '-'), got {run_id!r}"
+            )
         self.storage = storage
         self.async_save = async_save
         self.when_busy = when_busy
@@ -206,6 +211,30 @@ class CheckpointEngine:
     def arena(self) -> HostArena:
         """The host buffer asynchronous saves stage into, reused across saves."""
         return self._ctx.arena
+
+    def check_writable(self) -> None:
+        """Every rank writes and deletes a small probe file in the root, so a root that is a
+        file, cannot be created or lacks credentials fails now, on every rank, with a
+        :class:`ConfigError` naming each rank's error, rather than at the first save."""
+
+        def probe() -> str | None:
+            rel = f".probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                self.storage.write_bytes(rel, b"", durable=False)
+                self.storage.delete(rel)
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return None
+
+        errors = self.coordinator.all_gather(Phase.INIT, probe)
+        failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]
+        if failed:
+            raise ConfigError(
+                f"cannot write checkpoints to {self.storage.display()} ("
+                + "; ".join(failed)
+                + "): check that the path is a directory this user can create and write, and "
+                "the storage options (credentials, endpoint_url)"
+            )
 
     # ------------------------------------------------------------------ saving
 

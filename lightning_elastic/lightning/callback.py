@@ -40,6 +40,14 @@ from lightning.pytorch.strategies import (
 
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.integrity import VERIFY_MODES
+from lightning_elastic.core.format.manifest import is_plain_name
+from lightning_elastic.core.options import (
+    check_bool,
+    check_choice,
+    check_seconds,
+    check_signals,
+    one_timeout,
+)
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.policy.triggers import (
     Agreement,
@@ -89,13 +97,19 @@ class DistributedCheckpoint(Checkpoint):
         verify: check checkpoints before loading: ``"full"`` (checksums), ``"size"``, ``"none"``.
         resume: ``"auto"`` resumes a fresh ``fit`` from the newest valid checkpoint in
             ``dirpath``; ``"never"`` starts fresh (an explicit ``ckpt_path`` always wins).
-        timeout: how long ranks wait for each other in a save or load before failing.
-        signals: signal names that trigger a checkpoint-and-exit (empty: none).
+        timeout: how long ranks wait for each other in a save or load before failing (a
+            ``timedelta`` or seconds; default: the strategy's ``checkpoint_timeout`` when it has
+            one, else 10 minutes; giving both with different values is an error).
+        signals: signals that trigger a checkpoint-and-exit: names (``"SIGTERM"``), numbers,
+            or one comma-separated string (empty: none).
         exit_on_signal: exit the process after the signal checkpoint (else just stop fitting).
         compression: ``None`` or ``"zstd"``.
         trusted: load checkpoint objects without the safe-loading allowlist (unpickling may run
             code from the checkpoint): only for checkpoints whose origin you trust. By default a
             checkpoint holding a type outside the allowlist raises ``UnsafeCheckpointError``.
+        run_name: this run's identity, recorded in every manifest: ``resume="auto"`` resumes only
+            this run's checkpoints and retention only deletes them. Default: the run whose
+            checkpoint is newest in ``dirpath`` is continued (see docs/resuming.md).
     """
 
     def __init__(
@@ -116,30 +130,42 @@ class DistributedCheckpoint(Checkpoint):
         keep_best_k: int | None = None,
         verify: str = "full",
         resume: str = "auto",
-        timeout: timedelta | float = timedelta(minutes=10),
-        signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+        timeout: timedelta | float | None = None,
+        signals: Sequence[str | int] | str = ("SIGTERM", "SIGUSR1"),
         exit_on_signal: bool = True,
         compression: str | None = None,
         trusted: bool = False,
+        run_name: str | None = None,
     ) -> None:
+        if dirpath is not None and not isinstance(dirpath, (str, Path)):
+            raise ConfigError(f"dirpath must be a path or URL string, got {dirpath!r}")
         self.dirpath = None if dirpath is None else str(dirpath)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
         self.storage_options = dict(storage_options or {})
+        if run_name is not None and not (isinstance(run_name, str) and is_plain_name(run_name)):
+            raise ConfigError(
+                f"run_name must be a plain name (letters, digits, '.', '_', '-'), got {run_name!r}"
+            )
+        self.run_name = run_name
         self._step_trigger = (
             None if every_n_train_steps is None else EveryNSteps(every_n_train_steps)
         )
         self._epoch_trigger = None if every_n_epochs is None else EveryNEpochs(every_n_epochs)
-        seconds = _seconds(train_time_interval, "train_time_interval")
-        self._interval = None if seconds is None else EveryInterval(seconds)
-        self.save_on_train_end = save_on_train_end
-        self.async_save = async_save
-        if when_busy not in ("wait", "skip"):
-            raise ConfigError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        self.when_busy = when_busy
-        if mode not in ("min", "max"):
-            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        self._interval = (
+            None
+            if train_time_interval is None
+            else EveryInterval(check_seconds(train_time_interval, "train_time_interval"))
+        )
+        self.save_on_train_end = check_bool(save_on_train_end, "save_on_train_end")
+        self.async_save = check_bool(async_save, "async_save")
+        self.when_busy = check_choice(when_busy, "when_busy", ("wait", "skip"))
+        self.mode = check_choice(mode, "mode", ("min", "max"))
+        if monitor is not None and not (isinstance(monitor, str) and monitor):
+            raise ConfigError(f"monitor must be a metric name, got {monitor!r}")
         if keep_best_k is not None and not monitor:
             raise ConfigError("keep_best_k needs monitor=<metric name>")
-        self.monitor, self.mode = monitor, mode
+        self.monitor = monitor
         self._retention: list[Any] = []
         if keep_last_n is not None:
             self._retention.append(KeepLastN(keep_last_n))
@@ -148,21 +174,16 @@ class DistributedCheckpoint(Checkpoint):
         if keep_best_k is not None:
             assert monitor is not None
             self._retention.append(KeepBestK(keep_best_k, monitor, mode))
-        if verify not in VERIFY_MODES:
-            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        self.verify = verify
-        if resume not in ("auto", "never"):
-            raise ConfigError(f"resume must be 'auto' or 'never', got {resume!r}")
-        self.resume = resume
-        timeout_s = _seconds(timeout, "timeout")
-        assert timeout_s is not None
-        self.timeout = timedelta(seconds=timeout_s)
-        self.signals = tuple(_signal_number(s) for s in signals)
-        self.exit_on_signal = exit_on_signal
-        if compression not in (None, "zstd"):
-            raise ConfigError(f"compression must be None or 'zstd', got {compression!r}")
-        self.compression = compression
-        self.trusted = trusted
+        self.verify = check_choice(verify, "verify", VERIFY_MODES)
+        self.resume = check_choice(resume, "resume", ("auto", "never"))
+        # one timeout: this one or the strategy's checkpoint_timeout (see setup)
+        self.timeout = (
+            None if timeout is None else timedelta(seconds=check_seconds(timeout, "timeout"))
+        )
+        self.signals = check_signals(signals)
+        self.exit_on_signal = check_bool(exit_on_signal, "exit_on_signal")
+        self.compression = check_choice(compression, "compression", (None, "zstd"))
+        self.trusted = check_bool(trusted, "trusted")
 
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -204,11 +225,16 @@ class DistributedCheckpoint(Checkpoint):
         _check_strategy(trainer)
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        session = ElasticSession.of(trainer, self.timeout)
-        session.timeout = self.timeout
+        timeout = one_timeout(
+            timeout=self.timeout,
+            checkpoint_timeout=getattr(trainer.strategy, "checkpoint_timeout", None),
+        )
+        session = ElasticSession.of(trainer, timeout)
+        session.timeout = timeout
         if self.storage_options:
             session.storage_options = self.storage_options
         session.trusted = session.trusted or self.trusted
+        session.named_run = self.run_name is not None
         self._session = session
         self._engine = session.engine(
             self.dirpath,
@@ -217,7 +243,10 @@ class DistributedCheckpoint(Checkpoint):
             when_busy=self.when_busy,
             retention=self._retention,
             compression=self.compression,
+            run_id=self.run_name,
         )
+        if stage == "fit":
+            self._engine.check_writable()  # a bad dirpath fails here, not at the first save
         self._agreement = Agreement(session.ensure_coordinator())
         install_resume_hook(
             trainer,
@@ -309,6 +338,19 @@ class DistributedCheckpoint(Checkpoint):
         elif (due or decision.save) and step != self._last_step:
             reason = "step" if due else ("interval" if decision.time_due else "request")
             self._deferred = (reason, 0)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A ``monitor`` that the validation just run did not log is a mistake (a misspelled
+        name): raise, as ``ModelCheckpoint`` does, rather than record nothing forever."""
+        if self.monitor is None or trainer.sanity_checking or trainer.state.fn != "fit":
+            return  # validate()/test() on their own may log other metrics than fit does
+        if self.monitor not in trainer.callback_metrics:
+            logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
+            raise ConfigError(
+                f"DistributedCheckpoint(monitor={self.monitor!r}): no such metric after "
+                f"validation (logged: {logged}); log it with self.log({self.monitor!r}, ...) "
+                "or fix the name"
+            )
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # called before the LightningModule's on_train_epoch_end and the epoch-interval
@@ -441,30 +483,6 @@ class DistributedCheckpoint(Checkpoint):
         self.best_model_path = state_dict.get("best_model_path", "")
         self.best_model_score = state_dict.get("best_model_score")
         self.last_model_path = state_dict.get("last_model_path", "")
-
-
-def _seconds(value: timedelta | float | None, name: str) -> float | None:
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
-    return seconds
-
-
-def _signal_number(name: str | int) -> int:
-    if isinstance(name, int):
-        return name
-    try:
-        return int(
-            signal_module.Signals[
-                name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
-            ]
-        )
-    except KeyError:
-        raise ConfigError(
-            f"unknown signal {name!r}; use names like 'SIGTERM' or 'SIGUSR1'"
-        ) from None
 
 
 def _check_strategy(trainer: pl.Trainer) -> None:

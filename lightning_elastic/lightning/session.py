@@ -18,6 +18,8 @@ import json
 import logging
 import math
 import os
+import re
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -27,7 +29,7 @@ from lightning_elastic.core.elastic import rng
 from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.load.load import LoadResult, read_rank_states
-from lightning_elastic.errors import CheckpointNotFoundError
+from lightning_elastic.errors import CheckpointMismatchError, CheckpointNotFoundError
 from lightning_elastic.lightning._compat import dump_checkpoint
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,
@@ -70,6 +72,8 @@ class ElasticSession:
         # unpickle checkpoint objects without the safe-loading allowlist (strategy's or
         # callback's trusted=True)
         self.trusted = bool(getattr(trainer.strategy, "trusted", False))
+        # the callback was given a run_name: auto-resume considers only that run
+        self.named_run = False
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
@@ -216,6 +220,25 @@ class ElasticSession:
             return None
         assert result.state is not None
         checkpoint = result.state
+        location = result.info.location
+        module = self.trainer.lightning_module
+        auto = name is None
+        redo = (
+            "pass resume='never', another dirpath or a new run_name to start a new run"
+            if auto
+            else "pass the checkpoint of this model"
+        )
+        if getattr(module, "strict_loading", True) and isinstance(
+            checkpoint.get("state_dict"), Mapping
+        ):
+            mismatch = model_mismatch(checkpoint["state_dict"], module.state_dict())
+            if mismatch is not None:
+                raise CheckpointMismatchError(
+                    f"checkpoint at {location} was written by a different model (first "
+                    f"mismatch: {mismatch}); {redo}"
+                )
+        if auto:
+            self._check_same_experiment(result)
         elastic = checkpoint.pop(ELASTIC_KEY, None) or {}
         saved_world = int(elastic.get("world_size") or result.manifest.world_size)
         world = self.ensure_coordinator().world_size
@@ -240,10 +263,70 @@ class ElasticSession:
                 saved_world,
                 world,
             )
+        if auto and self.ensure_coordinator().rank == 0:
+            self._announce(result, saved_world, world)
         saved_topology = result.manifest.metadata.get("topology")
         if saved_topology is not None and saved_topology != topology(world):
             log.info("topology changed: was %s, now %s", saved_topology, topology(world))
         return checkpoint
+
+    def _check_same_experiment(self, result: LoadResult) -> None:
+        """Auto-resume with other hyperparameters than the run was written with: say so, on
+        rank 0 (a warning, not a refusal: an elastic restart must never crash-loop on a
+        hyperparameter that legitimately differs between attempts, such as a path or a
+        timestamp)."""
+        if self.ensure_coordinator().rank != 0:
+            return
+        saved = result.manifest.metadata.get("hparams")
+        current = _jsonable(getattr(self.trainer.lightning_module, "hparams", {}))
+        difference = hparams_difference(saved, current)
+        if difference is not None:
+            log.warning(
+                "resume='auto' continues %s (run %r, step %d), written with other "
+                "hyperparameters (%s): if this is another experiment, pass a new run_name, "
+                "another dirpath or resume='never'",
+                result.info.location,
+                result.info.run_id,
+                result.manifest.step,
+                difference,
+            )
+
+    def _announce(self, result: LoadResult, saved_world: int, world: int) -> None:
+        """The loud line of an automatic resume: what is resumed, from where and why, and a
+        word when there is nothing left to train."""
+        manifest, trainer = result.manifest, self.trainer
+        age = max(0.0, time.time() - float(manifest.created_unix or 0.0))
+        log.warning(
+            "resume='auto': continuing run %r from %s (step %d, epoch %d, written %s ago by %d "
+            "process(es), now %d): it is the newest valid checkpoint %s in %s. Pass "
+            "resume='never', another dirpath or a new run_name to start a new run instead.",
+            result.info.run_id,
+            result.info.location,
+            manifest.step,
+            int(manifest.epoch or 0),
+            _duration(age),
+            saved_world,
+            world,
+            "of this run_name" if result.info.run_id and self.named_run else "",
+            result.info.location.rsplit("/", 2)[0],
+        )
+        max_steps = trainer.max_steps
+        max_epochs = trainer.max_epochs
+        reached = []
+        if max_steps is not None and max_steps >= 0 and manifest.step >= max_steps:
+            reached.append(f"max_steps={max_steps}")
+        if max_epochs is not None and max_epochs >= 0 and int(manifest.epoch or 0) >= max_epochs:
+            reached.append(f"max_epochs={max_epochs}")
+        if reached:
+            log.warning(
+                "the checkpoint resumed from is at step %d, epoch %d: %s already reached, so "
+                "this fit trains nothing. Raise %s to train on; pass resume='never', another "
+                "dirpath or a new run_name to start over.",
+                manifest.step,
+                int(manifest.epoch or 0),
+                " and ".join(reached),
+                " / ".join(r.split("=")[0] for r in reached),
+            )
 
     def process_train_dataloader(self, dataloader: object) -> object:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
@@ -289,6 +372,47 @@ class ElasticSession:
         if pending.get("reset_metrics"):
             reset_metrics(module)
         restore_metric_states(module, pending.get("metrics") or {})
+
+
+def model_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """The first difference between a checkpoint's model ``state_dict`` and the model's, in
+    words (a missing or unexpected key, or a shape), or ``None``."""
+    for key in current:
+        if key not in saved:
+            return f"{key!r} is not in the checkpoint"
+    for key in saved:
+        if key not in current:
+            return f"the checkpoint has {key!r}, which this model does not"
+    for key, tensor in current.items():
+        old, new = getattr(saved[key], "shape", None), getattr(tensor, "shape", None)
+        if old is not None and new is not None and tuple(old) != tuple(new):
+            return f"{key!r} has shape {tuple(old)} in the checkpoint, {tuple(new)} in this model"
+    return None
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def hparams_difference(saved: Any, current: Any) -> str | None:
+    """The first hyperparameter whose value differs between two JSON-safe renderings (see
+    :func:`_jsonable`), or ``None``; values that are reprs of objects with a memory address
+    differ on every run and are not compared."""
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return None
+    for key in sorted(set(saved) | set(current), key=str):
+        old, new = saved.get(key, "<unset>"), current.get(key, "<unset>")
+        if any(isinstance(v, str) and _ADDRESS.search(v) for v in (old, new)):
+            continue
+        if old != new:
+            return f"{key}: {old!r} in the checkpoint, {new!r} now"
+    return None
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def topology(world: int) -> dict[str, int]:

@@ -35,6 +35,13 @@ from torch.optim import Optimizer
 
 from lightning_elastic.core.format.catalog import split_location
 from lightning_elastic.core.format.integrity import VERIFY_MODES
+from lightning_elastic.core.options import (
+    check_bool,
+    check_choice,
+    check_count,
+    check_seconds,
+    one_timeout,
+)
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
 from lightning_elastic.lightning._compat import optimizer_to_device, trainer_of, unwrap_optimizer
@@ -63,7 +70,9 @@ class ElasticStrategy(DDPStrategy):
         find_unused_parameters: forwarded to ``DistributedDataParallel``.
         static_graph: forwarded to ``DistributedDataParallel``.
         gradient_as_bucket_view: forwarded to ``DistributedDataParallel``.
-        checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load.
+        checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load (a
+            ``timedelta`` or seconds; default 10 minutes). The one checkpoint timeout: a
+            ``DistributedCheckpoint``'s ``timeout`` must be left unset or equal.
         verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
         shard_optimizer_state: ZeRO-1: each rank keeps (and saves) the optimizer state of its
             share of the parameters only; checkpoints reshard to any world size.
@@ -92,21 +101,29 @@ class ElasticStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        checkpoint_timeout: timedelta = timedelta(minutes=10),
+        checkpoint_timeout: timedelta | float | None = None,
         verify: str = "full",
         shard_optimizer_state: bool = False,
         global_batch_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
         trusted: bool = False,
     ) -> None:
-        if global_batch_size is not None and global_batch_size < 1:
-            raise ConfigError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if verify not in VERIFY_MODES:
-            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ConfigError(
-                f"start_method {start_method!r} is not one of popen/spawn/fork/forkserver"
-            )
+        if global_batch_size is not None:
+            check_count(global_batch_size, "global_batch_size")
+        check_choice(verify, "verify", VERIFY_MODES)
+        check_choice(start_method, "start_method", ("popen", "spawn", "fork", "forkserver"))
+        for name, flag in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("static_graph", static_graph),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("shard_optimizer_state", shard_optimizer_state),
+            ("trusted", trusted),
+        ):
+            check_bool(flag, name)
+        if checkpoint_timeout is not None:
+            check_seconds(checkpoint_timeout, "checkpoint_timeout")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -275,7 +292,7 @@ class ElasticStrategy(DDPStrategy):
         return self.lightning_module.trainer
 
     def _session(self, trainer: Any) -> ElasticSession:
-        return ElasticSession.of(trainer, self.checkpoint_timeout)
+        return ElasticSession.of(trainer, one_timeout(checkpoint_timeout=self.checkpoint_timeout))
 
 
 def _torchrun(name: str) -> int | None:

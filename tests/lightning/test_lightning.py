@@ -129,6 +129,23 @@ def test_save_checkpoint_and_fit_ckpt_path(tmp_path) -> None:
         ({"when_busy": "queue"}, "when_busy"),
         ({"compression": "lz4"}, "compression"),
         ({"keep_last_n": 0}, "keep_last_n"),
+        # nothing is coerced: YAML makes these easy to write
+        ({"every_n_train_steps": 2.5}, "every_n_train_steps must be an integer"),
+        ({"every_n_train_steps": "5"}, "every_n_train_steps must be an integer"),
+        ({"every_n_train_steps": True}, "every_n_train_steps must be an integer"),
+        ({"keep_last_n": 2.0}, "keep_last_n must be an integer"),
+        ({"every_n_epochs": "1"}, "every_n_epochs"),
+        ({"async_save": "yes"}, "async_save must be True or False"),
+        ({"trusted": 1}, "trusted must be True or False"),
+        ({"timeout": "10"}, "timeout must be a timedelta or a number of seconds"),
+        ({"timeout": float("inf")}, "timeout must be a finite duration"),
+        ({"train_time_interval": float("nan")}, "train_time_interval"),
+        ({"signals": "SIGNOPE"}, "unknown signal 'SIGNOPE'"),
+        ({"signals": [1.5]}, "not a signal name or number"),
+        ({"monitor": ""}, "monitor"),
+        ({"run_name": "../elsewhere"}, "run_name must be a plain name"),
+        ({"run_name": 7}, "run_name must be a plain name"),
+        ({"storage_options": "anon=true"}, "storage_options must be a dict"),
     ],
 )
 def test_options_are_validated(kwargs, match) -> None:

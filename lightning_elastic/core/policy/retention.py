@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
+from lightning_elastic.core.options import check_choice, check_count
 from lightning_elastic.errors import ConfigError
 
 __all__ = [
@@ -47,8 +48,7 @@ class KeepLastN:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"keep_last_n must be >= 1, got {self.n}")
+        check_count(self.n, "keep_last_n")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
         """The names of the ``n`` newest (last) of ``checkpoints``."""
@@ -62,8 +62,7 @@ class KeepEveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"keep_every_n_steps must be >= 1, got {self.n}")
+        check_count(self.n, "keep_every_n_steps")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
         """The names of the checkpoints whose step is a multiple of ``n``."""
@@ -82,10 +81,8 @@ class KeepBestK:
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ConfigError(f"keep_best_k must be >= 1, got {self.k}")
-        if self.mode not in ("min", "max"):
-            raise ConfigError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        check_count(self.k, "keep_best_k")
+        check_choice(self.mode, "mode", ("min", "max"))
         if not self.monitor:
             raise ConfigError("keep_best_k needs the name of a metric to monitor")
 

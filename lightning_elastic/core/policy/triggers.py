@@ -17,7 +17,8 @@ from types import FrameType
 from typing import Any
 
 from lightning_elastic.core.dist.coordinator import Coordinator
-from lightning_elastic.errors import ConfigError, Phase
+from lightning_elastic.core.options import check_count, check_seconds
+from lightning_elastic.errors import Phase
 
 __all__ = [
     "Agreement",
@@ -36,8 +37,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"every_n_train_steps must be >= 1, got {self.n}")
+        check_count(self.n, "every_n_train_steps")
 
     def due(self, step: int) -> bool:
         """Whether a save is due at global step ``step``."""
@@ -51,8 +51,7 @@ class EveryNEpochs:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"every_n_epochs must be >= 1, got {self.n}")
+        check_count(self.n, "every_n_epochs")
 
     def due(self, epoch: int) -> bool:
         """Whether a save is due at the end of ``epoch``."""
@@ -68,8 +67,7 @@ class EveryInterval:
     last: float | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.seconds <= 0:
-            raise ConfigError(f"train_time_interval must be positive, got {self.seconds}s")
+        self.seconds = check_seconds(self.seconds, "train_time_interval")
 
     def start(self) -> None:
         """Start counting now (the callback calls it when training starts)."""

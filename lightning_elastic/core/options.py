@@ -1,0 +1,117 @@
+"""Checking user options once, the same way everywhere: each checker returns the value in its
+canonical type or raises :class:`~lightning_elastic.errors.ConfigError` naming the option, the
+value given and what is accepted.
+
+Options arrive from Python, from YAML (LightningCLI, where ``2.5`` or ``"yes"`` are easy to
+write) and from the command line, so nothing is coerced silently: ``every_n_train_steps=2.5``
+is an error, not "every 2 steps" or "every 5"; ``shard_optimizer_state="yes"`` is an error, not
+``True``.
+"""
+
+from __future__ import annotations
+
+import math
+import signal as signal_module
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from lightning_elastic.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "check_bool",
+    "check_choice",
+    "check_count",
+    "check_seconds",
+    "check_signals",
+    "one_timeout",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def _given(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_count(value: Any, name: str, *, minimum: int = 1) -> int:
+    """``value`` as an ``int`` >= ``minimum``; floats (even ``2.0``), strings and bools are
+    refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {_given(value)}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a ``bool`` (``"yes"``, ``1`` and ``None`` are refused)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {_given(value)}")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``choices``."""
+    if value not in choices:
+        accepted = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{name} must be one of {accepted}, got {_given(value)}")
+    return value
+
+
+def check_seconds(value: Any, name: str) -> float:
+    """A positive, finite duration given as a ``timedelta`` or a number of seconds."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ConfigError(
+            f"{name} must be a timedelta or a number of seconds > 0, got {_given(value)}"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ConfigError(f"{name} must be a finite duration > 0, got {value!r}")
+    return seconds
+
+
+def check_signals(value: Any, name: str = "signals") -> tuple[int, ...]:
+    """Signal numbers from names (``"SIGTERM"``, ``"term"``), numbers, a sequence of either, or
+    one string of comma-separated names (``"SIGTERM,SIGUSR1"``); empty means none."""
+    if value is None:
+        return ()
+    items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+    if isinstance(items, (int, bool)) or not isinstance(items, Sequence):
+        items = [items]
+    numbers = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise ConfigError(f"{name}: {_given(item)} is not a signal name or number")
+        try:
+            if isinstance(item, int):
+                numbers.append(int(signal_module.Signals(item)))
+            else:
+                upper = item.strip().upper()
+                numbers.append(
+                    int(signal_module.Signals[upper if upper.startswith("SIG") else f"SIG{upper}"])
+                )
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"{name}: unknown signal {item!r}; use names like 'SIGTERM' or 'SIGUSR1'"
+            ) from None
+    return tuple(numbers)
+
+
+def one_timeout(**sources: timedelta | float | None) -> timedelta:
+    """The one checkpoint timeout from the places a user may set it (e.g. the strategy's
+    ``checkpoint_timeout`` and the callback's ``timeout``): the one given, or
+    :data:`DEFAULT_TIMEOUT`; two different values are an error rather than one silently
+    winning."""
+    given = {name: check_seconds(v, name) for name, v in sources.items() if v is not None}
+    if len(set(given.values())) > 1:
+        said = ", ".join(f"{name}={seconds:g}s" for name, seconds in given.items())
+        raise ConfigError(
+            f"two different checkpoint timeouts: {said}; set it in one place (or give both the "
+            "same value)"
+        )
+    return timedelta(seconds=next(iter(given.values()))) if given else DEFAULT_TIMEOUT

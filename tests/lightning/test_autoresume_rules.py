@@ -1,0 +1,231 @@
+"""Autoresume that does not surprise, and options that are strict and single-sourced (#14
+items 3 and 5), on one process: run identity (``run_name``), the loud resume line, a finished
+run, a different model, other hyperparameters, a misspelled ``monitor``, a bad ``dirpath`` at
+setup, one checkpoint timeout."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from lightning_elastic.errors import CheckpointMismatchError, ConfigError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Any:
+    """ElasticStrategy in-process initializes a (1-process) default group that Lightning's
+    teardown keeps: destroy it, or later tests of this session think they run distributed."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class Net(pl.LightningModule):
+    def __init__(self, hidden: int = 8, lr: float = 0.1, log_val: str = "val_loss") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, hidden)
+        self.head = torch.nn.Linear(hidden, 1)
+        self.steps_trained = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.layer(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_trained += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log(self.hparams.log_val, torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def _data(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1)), 4)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._data()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._data()
+
+
+def fit(
+    dirpath: Path | str,
+    model: Net | None = None,
+    *,
+    max_steps: int = 4,
+    strategy: Any = "auto",
+    **callback: Any,
+) -> tuple[Net, DistributedCheckpoint]:
+    model = model or Net()
+    checkpoint = DistributedCheckpoint(
+        str(dirpath), every_n_train_steps=2, async_save=False, signals=(), **callback
+    )
+    trainer = pl.Trainer(
+        default_root_dir=str(Path(str(dirpath)).parent),
+        max_steps=max_steps,
+        limit_val_batches=2,
+        val_check_interval=2,
+        devices=1,
+        strategy=strategy,
+        callbacks=[checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model)
+    return model, checkpoint
+
+
+def run_ids(root: Path) -> set[str]:
+    import json
+
+    return {json.loads(p.read_text())["run_id"] for p in root.glob("*/manifest.json")}
+
+
+def test_run_name_scopes_autoresume_and_is_recorded(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "ckpts"
+    fit(root, run_name="a")
+    assert run_ids(root) == {"a"}
+    other, _ = fit(root, run_name="b", max_steps=4)  # another run in the same folder
+    assert other.steps_trained == 4, "run b must start fresh, not continue run a"
+    assert run_ids(root) == {"a", "b"}
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        again, _ = fit(root, run_name="a", max_steps=6)
+    assert again.steps_trained == 2, "run a continues from its own step 4"
+    line = next(r.getMessage() for r in caplog.records if "resume='auto'" in r.getMessage())
+    assert "continuing run 'a'" in line and "step 4" in line and "of this run_name" in line
+
+
+def test_finished_run_says_it_trains_nothing(tmp_path: Path, caplog) -> None:
+    fit(tmp_path / "ckpts")
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        model, _ = fit(tmp_path / "ckpts")
+    assert model.steps_trained == 0
+    text = caplog.text
+    assert "max_steps=4 already reached" in text and "trains nothing" in text
+    assert "resume='never'" in text
+
+
+def test_a_different_model_is_named_not_a_bare_size_mismatch(tmp_path: Path) -> None:
+    fit(tmp_path / "ckpts")
+    with pytest.raises(CheckpointMismatchError) as info:
+        fit(tmp_path / "ckpts", Net(hidden=16), max_steps=6)
+    message = str(info.value)
+    assert "written by a different model" in message
+    assert "'layer.weight' has shape (8, 4) in the checkpoint, (16, 4) in this model" in message
+    assert "resume='never'" in message
+
+
+def test_other_hyperparameters_are_said_out_loud(tmp_path: Path, caplog) -> None:
+    fit(tmp_path / "ckpts")
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        model, _ = fit(tmp_path / "ckpts", Net(lr=0.5), max_steps=6)
+    assert model.steps_trained == 2
+    assert "lr: 0.1 in the checkpoint, 0.5 now" in caplog.text
+
+
+def test_resume_never_starts_fresh(tmp_path: Path) -> None:
+    fit(tmp_path / "ckpts")
+    model, _ = fit(tmp_path / "ckpts", resume="never")
+    assert model.steps_trained == 4
+
+
+def test_misspelled_monitor_raises_at_the_first_validation(tmp_path: Path) -> None:
+    model = Net()
+    with pytest.raises(ConfigError, match=r"monitor='val_los'.*logged: val_loss"):
+        fit(tmp_path / "ckpts", model, monitor="val_los")
+    assert model.steps_trained == 2  # the first validation runs after step 2
+
+
+def test_monitor_logged_by_validation_is_recorded(tmp_path: Path) -> None:
+    _, checkpoint = fit(tmp_path / "ckpts", monitor="val_loss", keep_best_k=1)
+    assert checkpoint.best_model_score is not None
+
+
+@pytest.mark.parametrize("kind", ["a file", "below a file", "not creatable"])
+def test_a_bad_dirpath_fails_at_setup(tmp_path: Path, kind: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    dirpath = {
+        "a file": afile,
+        "below a file": afile / "ckpts",
+        "not creatable": Path("/proc/lightning_elastic_nope/ckpts"),
+    }[kind]
+    model = Net()
+    with pytest.raises(ConfigError, match=r"cannot write checkpoints to .*storage options"):
+        fit(dirpath, model)
+    assert model.steps_trained == 0, "the error must come before training starts"
+    assert afile.read_text() == "not a folder"
+
+
+def test_one_checkpoint_timeout(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="two different checkpoint timeouts"):
+        fit(
+            tmp_path / "a",
+            strategy=ElasticStrategy(checkpoint_timeout=timedelta(minutes=5)),
+            timeout=60,
+        )
+    # the strategy's value alone is the one used (examples/config.yaml sets it there)
+    _, checkpoint = fit(tmp_path / "b", strategy=ElasticStrategy(checkpoint_timeout=42))
+    assert checkpoint._session is not None
+    assert checkpoint._session.timeout == timedelta(seconds=42)
+    # equal values in both places are accepted
+    fit(tmp_path / "c", strategy=ElasticStrategy(checkpoint_timeout=30), timeout=30.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shard_optimizer_state": "yes"}, "shard_optimizer_state must be True or False"),
+        ({"global_batch_size": 8.0}, "global_batch_size must be an integer"),
+        ({"checkpoint_timeout": "600"}, "checkpoint_timeout"),
+        ({"storage_options": "anon=true"}, "storage_options must be a dict"),
+    ],
+)
+def test_strategy_options_are_strict(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ElasticStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("signals", "expected"),
+    [
+        ("SIGTERM", (signal.SIGTERM,)),
+        ("SIGTERM, usr1", (signal.SIGTERM, signal.SIGUSR1)),
+        (["SIGUSR2", int(signal.SIGTERM)], (signal.SIGUSR2, signal.SIGTERM)),
+        ((), ()),
+    ],
+)
+def test_signals_accept_one_name_a_list_or_a_comma_list(signals: Any, expected: tuple) -> None:
+    assert DistributedCheckpoint("/tmp/x", signals=signals).signals == tuple(map(int, expected))
+
+
+def test_dirpath_must_be_a_path() -> None:
+    with pytest.raises(ConfigError, match="dirpath must be a path"):
+        DistributedCheckpoint(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.s3
+def test_an_unreachable_bucket_fails_at_setup(s3_server) -> None:
+    model = Net()
+    with pytest.raises(ConfigError, match="cannot write checkpoints to s3://no-such-bucket"):
+        fit("s3://no-such-bucket/ckpts", model, storage_options=s3_server.storage_options)
+    assert model.steps_trained == 0
