@@ -37,6 +37,7 @@ _EXPORTS = {
         for name in (
             "CheckpointExistsError",
             "CheckpointLoadError",
+            "CheckpointMismatchError",
             "CheckpointNotFoundError",
             "CheckpointSaveError",
             "CheckpointTimeoutError",
@@ -82,6 +83,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.errors import (
         CheckpointExistsError,
         CheckpointLoadError,
+        CheckpointMismatchError,
         CheckpointNotFoundError,
         CheckpointSaveError,
         CheckpointTimeoutError,
