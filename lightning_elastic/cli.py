@@ -1,4 +1,5 @@
-"""``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints.
+"""``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints; ``run``
+launches training like torchrun (see :mod:`lightning_elastic.launcher`).
 
 Works on local paths and fsspec URLs (``-o key=value`` passes storage options, e.g.
 ``-o endpoint_url=http://127.0.0.1:9000``). Every verb takes ``--json``: then everything it
@@ -82,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``) and return the exit code.
     Errors are printed (as JSON with ``--json``), not raised; see the module docstring."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # torchrun's own command line, passed through untouched
+        from lightning_elastic.launcher import main as launch
+
+        return launch(argv[1:])
     as_json = "--json" in argv
     try:
         args = _parser().parse_args(argv)
@@ -147,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(required=True, dest="verb")
+    # handled before parsing (main): listed here for --help only
+    sub.add_parser(
+        "run",
+        help="torchrun (same arguments), except that a planned membership change does not "
+        "use up --max-restarts",
+    )
 
     def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)

@@ -6,16 +6,20 @@ anything that moved. Tested with torch 2.6 - 2.13.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "REQUIREMENTS",
     "dcp_extension_registry",
     "dcp_zstd_available",
+    "elastic_agent_class",
     "load_planner_mappings",
     "missing",
     "process_group_store",
+    "torchrun_entry",
     "unmet",
 ]
 
@@ -28,6 +32,17 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("torch.distributed.checkpoint._extension", "ZStandard.is_available"),
     # DefaultLoadPlanner keeps the flattening map and the caller's dict as attributes
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner"),
+    # the launcher: torchrun's own argument parsing and run, with our agent class in place of
+    # LocalElasticAgent (whose _monitor_workers it extends; SimpleElasticAgent keeps the
+    # failure budget in the instance attribute _remaining_restarts, checked by the launcher
+    # tests)
+    ("torch.distributed.run", "parse_args"),
+    ("torch.distributed.run", "run"),
+    ("torch.distributed.launcher.api", "LocalElasticAgent"),
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "LocalElasticAgent._monitor_workers",
+    ),
 )
 
 
@@ -56,6 +71,26 @@ def load_planner_mappings(planner: Any) -> tuple[dict[str, Any], Any]:
     """``(flattened name -> original path, the caller's state dict)`` of a set-up
     ``DefaultLoadPlanner`` (its ``mappings`` and ``original_state_dict`` attributes)."""
     return planner.mappings, planner.original_state_dict
+
+
+def torchrun_entry() -> tuple[Any, Any]:
+    """torchrun's ``parse_args(argv)`` and ``run(args)`` (``torch.distributed.run``)."""
+    from torch.distributed import run as torchrun
+
+    return torchrun.parse_args, torchrun.run
+
+
+@contextlib.contextmanager
+def elastic_agent_class(cls: type) -> Iterator[None]:
+    """Within the block, torchrun's launcher builds its agent from ``cls`` instead of
+    ``LocalElasticAgent`` (``launch_agent`` looks the name up in its module at call time)."""
+    api: Any = importlib.import_module("torch.distributed.launcher.api")
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = cls
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original
 
 
 def missing() -> list[str]:

@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
 )
 
+from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.integrity import VERIFY_MODES
 from lightning_elastic.core.format.manifest import is_plain_name
@@ -463,6 +464,8 @@ class DistributedCheckpoint(Checkpoint):
         self._uninstall_signals()
         trainer.should_stop = True
         if self.exit_on_signal:
+            # tell `lightning-elastic run` this exit is a planned one (nothing outside it)
+            record_planned_exit(128 + signum, trainer.global_step)
             raise SystemExit(128 + signum)
 
     def _uninstall_signals(self) -> None:

@@ -62,11 +62,18 @@ def kill_tree(pid: int) -> None:
 LOGS: list = []
 
 
-def agent(root: Path, port: int, max_steps: int, log: Path) -> subprocess.Popen:
+def agent(
+    root: Path,
+    port: int,
+    max_steps: int,
+    log: Path,
+    *,
+    launcher: tuple[str, ...] = ("-m", "torch.distributed.run"),
+    max_restarts: int = 3,
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *launcher,
         "--nnodes=1:2",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
@@ -74,7 +81,7 @@ def agent(root: Path, port: int, max_steps: int, log: Path) -> subprocess.Popen:
         "--rdzv-id=elastic-e2e",
         # a lost node is declared gone after keep_alive_interval x keep_alive_max_attempt
         "--rdzv-conf=join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-        "--max-restarts=3",
+        f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
         str(SCRIPT),
         "--root",
@@ -184,3 +191,75 @@ def test_standalone_restarts_at_2_then_3(tmp_path) -> None:
     starts = [r for r in records(tmp_path) if r["kind"] == "start"]
     assert {(r["world"], r["step"]) for r in starts} == {(2, 0), (3, 8)}
     assert_each_epoch_once(tmp_path, 30)
+
+
+LAUNCHER = ("-c", "import sys; from lightning_elastic.cli import main; sys.exit(main())", "run")
+
+
+def re_executed_steps(recs: list[dict]) -> int:
+    """Steps trained more than once (by several worker groups), counted once per repeat."""
+    trained = {(r["inc"], r["step"]) for r in recs if r["kind"] == "step"}
+    return len(trained) - len({step for _, step in trained})
+
+
+def test_planned_changes_keep_the_failure_budget(tmp_path) -> None:
+    """``lightning-elastic run --max-restarts=1``: three drains (SIGTERM to a node's agent) and
+    two joins; plain torchrun would spend its one restart on the first drain and fail the job
+    at the second. Every change re-executes 0 steps and every epoch sees every sample once."""
+    port, max_steps = free_port(), 150
+
+    def start(name: str) -> subprocess.Popen:
+        return agent(
+            tmp_path,
+            port,
+            max_steps,
+            tmp_path / f"agent-{name}.log",
+            launcher=LAUNCHER,
+            max_restarts=1,
+        )
+
+    def starts() -> list[dict]:
+        return [r for r in records(tmp_path) if r["kind"] == "start"]
+
+    def progress(world: int, after: float, steps: int = 4) -> None:
+        def ok() -> bool:
+            group = [r for r in starts() if r["world"] == world and r["t"] > after]
+            if not group:
+                return False
+            first = min(r["step"] for r in group)
+            return any(
+                r["kind"] == "step" and r["world"] == world and r["step"] >= first + steps
+                for r in records(tmp_path)
+            )
+
+        wait_for(ok, 240, f"training at world size {world}")
+
+    host = start("a")
+    time.sleep(1.0)  # agent A hosts the rendezvous store
+    agents = [host]
+    try:
+        mark = 0.0
+        for i in range(3):
+            node = start(f"b{i}")
+            agents.append(node)
+            progress(2, mark)  # joined (the first time: started together)
+            mark = time.time()
+            node.send_signal(signal.SIGTERM)  # drain node b: its agent stops its worker
+            node.wait(timeout=120)
+            progress(1, mark)
+            mark = time.time()
+        assert host.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
+    finally:
+        for proc in agents:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+            proc.wait()
+    recs = records(tmp_path)
+    assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
+    groups = sorted({(r["inc"], r["world"]) for r in starts()})
+    assert [w for _, w in groups] == [2, 1, 2, 1, 2, 1], groups
+    assert re_executed_steps(recs) == 0
+    assert_each_epoch_once(tmp_path, max_steps)
+    log = (tmp_path / "agent-a.log").read_text()
+    assert log.count("restarting without counting a failure") == 3, log[-3000:]
+    assert cli_main(["verify", str(tmp_path / "ckpts")]) == 0
