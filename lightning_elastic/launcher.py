@@ -68,7 +68,7 @@ class PlannedExitAgent(LocalElasticAgent):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's command line ``argv`` with :class:`PlannedExitAgent`; the exit code is
-    torchrun's (0, or 1 when the job failed)."""
+    0, 1 when the job failed, 2 for a bad option (a one-line error)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     parse_args, run = torchrun_entry()
@@ -82,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ChildFailedError as exc:
             print(f"error: the job failed:\n{exc}", file=sys.stderr)
             return 1
+        except ValueError as exc:  # a bad rendezvous option, found when the agent starts
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         finally:
             if previous is None:
                 os.environ.pop(PLANNED_EXIT_ENV, None)
