@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -202,11 +203,16 @@ def re_executed_steps(recs: list[dict]) -> int:
     return len(trained) - len({step for _, step in trained})
 
 
-def test_planned_changes_keep_the_failure_budget(tmp_path) -> None:
-    """``lightning-elastic run --max-restarts=1``: three drains (SIGTERM to a node's agent) and
-    two joins; plain torchrun would spend its one restart on the first drain and fail the job
-    at the second. Every change re-executes 0 steps and every epoch sees every sample once."""
-    port, max_steps = free_port(), 150
+def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
+    """``lightning-elastic run --max-restarts=2``, seven membership changes: drain, join, loss,
+    join, drain, join, loss (a drain is SIGTERM to a node's agent; a loss SIGKILLs the node's
+    agent and worker, with checkpoints every 3 steps often in flight). Plain torchrun would
+    spend its budget on the drains and fail at the first loss after them. Checks: the job
+    finishes; every sample once in every complete epoch; 0 steps re-executed after a planned
+    change and at most the steps since the last commit (two intervals: a save may be in
+    flight) after a loss; every resume point is a checkpoint of the group before (a chain
+    without a gap); only committed checkpoints listed, retention's keep_last_n respected."""
+    port, max_steps, every = free_port(), 190, 3
 
     def start(name: str) -> subprocess.Popen:
         return agent(
@@ -215,11 +221,11 @@ def test_planned_changes_keep_the_failure_budget(tmp_path) -> None:
             max_steps,
             tmp_path / f"agent-{name}.log",
             launcher=LAUNCHER,
-            max_restarts=1,
+            max_restarts=2,
         )
 
     def starts() -> list[dict]:
-        return [r for r in records(tmp_path) if r["kind"] == "start"]
+        return sorted((r for r in records(tmp_path) if r["kind"] == "start"), key=lambda r: r["t"])
 
     def progress(world: int, after: float, steps: int = 4) -> None:
         def ok() -> bool:
@@ -236,18 +242,24 @@ def test_planned_changes_keep_the_failure_budget(tmp_path) -> None:
 
     host = start("a")
     time.sleep(1.0)  # agent A hosts the rendezvous store
-    agents = [host]
+    node = start("b0")
+    agents = [host, node]
+    leaves: list[tuple[str, float]] = []
     try:
-        mark = 0.0
-        for i in range(3):
-            node = start(f"b{i}")
-            agents.append(node)
-            progress(2, mark)  # joined (the first time: started together)
-            mark = time.time()
-            node.send_signal(signal.SIGTERM)  # drain node b: its agent stops its worker
+        progress(2, 0.0)
+        for i, how in enumerate(["drain", "loss", "drain", "loss"]):
+            leaves.append((how, time.time()))
+            if how == "drain":
+                node.send_signal(signal.SIGTERM)  # its agent stops its worker: agreed exit
+            else:
+                kill_tree(node.pid)  # the node is lost
             node.wait(timeout=120)
-            progress(1, mark)
-            mark = time.time()
+            progress(1, leaves[-1][1])
+            if i < 3:
+                mark = time.time()
+                node = start(f"b{i + 1}")
+                agents.append(node)
+                progress(2, mark)
         assert host.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
     finally:
         for proc in agents:
@@ -256,10 +268,39 @@ def test_planned_changes_keep_the_failure_budget(tmp_path) -> None:
             proc.wait()
     recs = records(tmp_path)
     assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
-    groups = sorted({(r["inc"], r["world"]) for r in starts()})
-    assert [w for _, w in groups] == [2, 1, 2, 1, 2, 1], groups
-    assert re_executed_steps(recs) == 0
+    groups: dict[float, dict] = {}
+    for r in starts():
+        groups.setdefault(r["inc"], r)
+    order = sorted(groups)
+    assert [groups[g]["world"] for g in order] == [2, 1, 2, 1, 2, 1, 2, 1], order
     assert_each_epoch_once(tmp_path, max_steps)
+    # steps per group, and what each restart cost
+    trained = collections.defaultdict(set)
+    for r in recs:
+        if r["kind"] == "step":
+            trained[r["inc"]].add(r["step"])
+    leave_groups = order[1::2]  # the group after each leave (joins alternate with them)
+    for (how, _), (before, after) in zip(
+        leaves, [(order[k - 1], order[k]) for k in range(1, len(order), 2)], strict=True
+    ):
+        assert after in leave_groups
+        start_step = groups[after]["step"]
+        last = max(trained[before]) + 1  # steps trained by the group before
+        repeated = last - start_step
+        assert start_step <= last, "a gap: steps nobody trained"
+        if how == "drain":
+            assert repeated == 0, f"a planned drain re-executed {repeated} steps"
+        else:
+            assert repeated <= 2 * every + 1, f"a loss re-executed {repeated} steps"
+    for before, after in itertools.pairwise(order):  # joins re-execute nothing either
+        if after not in leave_groups:
+            assert groups[after]["step"] == max(trained[before]) + 1
+    # every resume point is the checkpoint of the step the group starts at: a chain, no gap
+    for after in order[1:]:
+        resumed = groups[after]["resumed_from"]
+        assert resumed and resumed.endswith(f"step_{groups[after]['step']:09d}"), resumed
     log = (tmp_path / "agent-a.log").read_text()
-    assert log.count("restarting without counting a failure") == 3, log[-3000:]
+    assert log.count("restarting without counting a failure") == 2, log[-3000:]
     assert cli_main(["verify", str(tmp_path / "ckpts")]) == 0
+    committed = [p.parent.name for p in (tmp_path / "ckpts").glob("*/manifest.json")]
+    assert 1 <= len(committed) <= 3 + 1, committed  # keep_last_n=3 (+ the one resumed from)
