@@ -20,6 +20,7 @@ _EXPORTS = {
     "Manifest": "lightning_elastic.core.format.manifest",
     "LoadResult": "lightning_elastic.core.load.load",
     "consolidate": "lightning_elastic.core.load.consolidate",
+    "PerRankRule": "lightning_elastic.core.load.per_rank",
     "LoadedWeights": "lightning_elastic.core.load.weights",
     "load_weights": "lightning_elastic.core.load.weights",
     "KeepAll": "lightning_elastic.core.policy.retention",
@@ -47,6 +48,7 @@ _EXPORTS = {
             "IntegrityError",
             "LoadTimeoutError",
             "ManifestError",
+            "PerRankStateError",
             "SaveTimeoutError",
             "StaleWriterError",
             "StorageError",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.load.consolidate import consolidate
     from lightning_elastic.core.load.load import LoadResult
+    from lightning_elastic.core.load.per_rank import PerRankRule
     from lightning_elastic.core.load.weights import LoadedWeights, load_weights
     from lightning_elastic.core.policy.retention import (
         KeepAll,
@@ -93,6 +96,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
         IntegrityError,
         LoadTimeoutError,
         ManifestError,
+        PerRankStateError,
         SaveTimeoutError,
         StaleWriterError,
         StorageError,

@@ -25,6 +25,7 @@ __all__ = [
     "IntegrityError",
     "LoadTimeoutError",
     "ManifestError",
+    "PerRankStateError",
     "Phase",
     "RankFailure",
     "SaveTimeoutError",
@@ -195,6 +196,50 @@ class WorldSizeError(ConfigError):
     """This world size cannot work with the configuration; the message says what would."""
 
 
+class PerRankStateError(WorldSizeError):
+    """A checkpoint entry differed between the ranks that saved it, so it was saved per rank,
+    and nothing says how to give it to another number of ranks.
+
+    ``paths`` names the entries (as subscripts of the checkpoint dict), ``saved_world_size``
+    and ``world_size`` the two worlds; the message says what to do. Raised on every rank,
+    before anything was restored: giving every rank rank 0's value would silently replace
+    the other ranks' state.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        paths: Sequence[str],
+        saved_world_size: int,
+        world_size: int,
+        hint: str = "",
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.paths = tuple(paths)
+        self.saved_world_size = saved_world_size
+        self.world_size = world_size
+        self.hint = hint
+        shown = ", ".join(self.paths[:8]) + (" ..." if len(self.paths) > 8 else "")
+        todo = hint or (
+            f"Resume with {saved_world_size} processes; or make the entry the same on every "
+            "rank before it is saved (e.g. reduce it across ranks); or pass a PerRankRule for "
+            "it to CheckpointEngine.load(per_rank_rules=...) ('rank0': every rank takes rank "
+            "0's value, 'fresh': the entry is dropped and its owner starts afresh)."
+        )
+        super().__init__(
+            f"checkpoint {checkpoint} holds state that differed between its {saved_world_size} "
+            f"ranks and was saved per rank: {shown}. Nothing says how to give it to a world of "
+            f"{world_size}, and giving every rank rank 0's value would silently replace the "
+            f"other ranks' state. {todo}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (self.checkpoint, self.paths, self.saved_world_size, self.world_size, self.hint),
+        )
+
+
 class Phase(str, Enum):
     """Where a save or load was when something failed (the value is what messages show)."""
 
@@ -202,6 +247,7 @@ class Phase(str, Enum):
     AGREE = "agree"
     SAVE_DECIDE = "save/decide"
     SAVE_BUSY = "save/busy"
+    SAVE_COMPARE = "save/compare"
     SAVE_PLAN = "save/plan"
     WRITE = "write"
     COMMIT = "commit"

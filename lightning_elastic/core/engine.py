@@ -33,10 +33,17 @@ from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
 from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, load_checkpoint
+from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import select_checkpoint
 from lightning_elastic.core.policy.retention import KeepBestK, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
 from lightning_elastic.core.save.plan import plan_save
+from lightning_elastic.core.save.replicated import (
+    PER_RANK_KEY,
+    PER_RANK_VALUES_KEY,
+    ReplicationCheck,
+    encode_paths,
+)
 from lightning_elastic.core.save.request import SaveContext, SaveRequest, SaveResult
 from lightning_elastic.core.save.stage import HostArena
 from lightning_elastic.core.save.write import check_compression
@@ -180,6 +187,7 @@ class CheckpointEngine:
             leftover_grace_s=grace.total_seconds(),
         )
         self._explicit_run = run_id is not None
+        self._replicas = ReplicationCheck()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._closed = False
@@ -254,7 +262,9 @@ class CheckpointEngine:
         """Save ``state`` (identical keys on every rank) as the checkpoint of ``step``.
 
         ``state`` values may be tensors, DTensors, nested dicts/lists, ``Stateful`` objects or
-        picklable objects; replicated entries are written once. ``rank_state`` is kept per rank
+        picklable objects; replicated entries are written once. An entry whose value differs
+        between ranks is found (digests compared across ranks) and kept per rank
+        (:mod:`~lightning_elastic.core.save.replicated`). ``rank_state`` is kept per rank
         (RNG states, data position): each rank gets its own back from :meth:`load`.
         ``metadata`` must be JSON-safe and lands in the manifest, as do ``metrics`` (used by
         ``KeepBestK``). Returns ``None`` when skipped because a save is in flight
@@ -267,10 +277,20 @@ class CheckpointEngine:
             return None
         request = self._request(step, epoch, metrics, metadata, name, overwrite)
         state_dict = _to_state_dict(state)
-        if RANK_LOCAL_KEY in state_dict:
-            raise ConfigError(f"the state key {RANK_LOCAL_KEY!r} is reserved")
-        if rank_state is not None:
-            state_dict[RANK_LOCAL_KEY] = {str(self.rank): _to_state_dict(rank_state)}
+        for reserved in (RANK_LOCAL_KEY, PER_RANK_KEY):
+            if reserved in state_dict:
+                raise ConfigError(f"the state key {reserved!r} is reserved")
+        local = None if rank_state is None else _to_state_dict(rank_state)
+        if local is not None and PER_RANK_VALUES_KEY in local:
+            raise ConfigError(f"the rank_state key {PER_RANK_VALUES_KEY!r} is reserved")
+        split = self._replicas.split(self.coordinator, state_dict)
+        state_dict = split.state
+        if split.per_rank:
+            state_dict[PER_RANK_KEY] = encode_paths(split.per_rank)
+        if split.values:
+            local = {**(local or {}), PER_RANK_VALUES_KEY: split.values}
+        if local is not None:
+            state_dict[RANK_LOCAL_KEY] = {str(self.rank): local}
         planned = plan_save(self._ctx, state_dict, request)
         is_blocking = (not self.async_save) if blocking is None else blocking
         stage_start = time.monotonic()
@@ -359,6 +379,7 @@ class CheckpointEngine:
         strict: bool = True,
         adopt_run: bool = True,
         trusted: bool = False,
+        per_rank_rules: Sequence[PerRankRule] = (),
     ) -> LoadResult:
         """Load into ``state`` in place, at this world size (DCP reshards as needed); with
         ``state=None`` the whole checkpoint is returned as a new nested dict
@@ -372,6 +393,12 @@ class CheckpointEngine:
         code from storage; a checkpoint holding other types raises
         :class:`~lightning_elastic.errors.UnsafeCheckpointError`. ``trusted=True`` lifts the
         allowlist: only for checkpoints whose origin you trust.
+
+        Entries that were saved per rank (their values differed between ranks) come back as
+        each rank's own value at the saved world size. At another world size,
+        ``per_rank_rules`` (:class:`~lightning_elastic.core.load.per_rank.PerRankRule`) say
+        what each rank gets; an entry none covers raises
+        :class:`~lightning_elastic.errors.PerRankStateError` on every rank.
         """
         self._check_open()
         check_verify_mode(verify)
@@ -400,6 +427,7 @@ class CheckpointEngine:
             strict=strict,
             verify_s=time.monotonic() - start,
             trusted=trusted,
+            per_rank_rules=per_rank_rules,
         )
         self._ctx.resumed_from = info.name
         self._ctx.parent = info.name

@@ -24,12 +24,14 @@ __all__ = [
     "metric_update_count",
     "missing",
     "optimizer_to_device",
+    "prefetched_batches",
     "reinstantiate_dataloader",
     "set_loaded_checkpoint",
     "set_metric_update_count",
     "track_scheduler_steps",
     "train_combined_loader",
     "train_loader_mode",
+    "train_loader_states",
     "trainer_of",
     "uninstall_from_connector",
     "unwrap_optimizer",
@@ -72,6 +74,10 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # FitLoop._combined_loader, CombinedLoader._mode, Trainer._val_check_time_interval are
     # checked by tests/unit/test_compat.py on a live trainer)
     ("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches"),
+    # the training dataloaders' states as the fit loop saves them, and the batches its data
+    # fetcher has taken from them ahead of the loop
+    ("lightning.pytorch.utilities.combined_loader", "CombinedLoader._state_dicts"),
+    ("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher"),
     # torchmetrics keeps the update count and the reduction of each state privately
     ("torchmetrics", "Metric.metric_state"),
 )
@@ -211,6 +217,24 @@ def train_combined_loader(trainer: Any) -> Any:
     """The fit loop's ``CombinedLoader`` of training dataloaders (``_combined_loader``), or
     ``None`` before the data is set up."""
     return getattr(trainer.fit_loop, "_combined_loader", None)
+
+
+def train_loader_states(trainer: Any) -> list[dict[str, Any]] | None:
+    """The states of the stateful training dataloaders, as the fit loop saves them under
+    ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``
+    (``CombinedLoader._state_dicts``), or ``None`` before the data is set up."""
+    combined = train_combined_loader(trainer)
+    if combined is None:
+        return None
+    return list(combined._state_dicts())
+
+
+def prefetched_batches(trainer: Any) -> int:
+    """How many batches the fit loop's data fetcher has taken from the training dataloaders
+    beyond the one being trained (``_PrefetchDataFetcher.batches``: 1 for a dataloader
+    without a length, 0 otherwise)."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    return len(getattr(fetcher, "batches", None) or ())
 
 
 def train_loader_mode(combined: Any) -> str:

@@ -246,7 +246,7 @@ def make_elastic(
             raise ConfigError("global_batch_size needs a DataLoader built with batch_size=...")
     batch_size = dataloader.batch_size
     if batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
-        log.warning("custom batch sampler: the position within an epoch is not resumable")
+        _keeps_own_position(dataloader, "custom batch sampler")
         return dataloader, None
     if type(sampler) is DistributedSampler:
         shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
@@ -257,10 +257,7 @@ def make_elastic(
     elif isinstance(sampler, ElasticSampler):  # user-provided: keep its settings
         shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
     else:
-        log.warning(
-            "%s cannot be replaced: the position within an epoch is not resumable",
-            type(sampler).__name__,
-        )
+        _keeps_own_position(dataloader, f"{type(sampler).__name__} cannot be replaced")
         return dataloader, None
     per_rank = batch_size if global_batch_size is None else global_batch_size // num_replicas
     elastic = ElasticSampler(
@@ -280,6 +277,18 @@ def make_elastic(
     rebuilt.state_dict = dict
     rebuilt.load_state_dict = lambda state: None
     return rebuilt, elastic
+
+
+def _keeps_own_position(dataloader: DataLoader[Any], why: str) -> None:
+    """Say whether a dataloader left alone can resume within an epoch: with Lightning's
+    stateful-dataloader protocol (``state_dict``/``load_state_dict``, e.g. torchdata's
+    ``StatefulDataLoader``) it keeps its own position, per rank; without, it cannot."""
+    if callable(getattr(dataloader, "state_dict", None)) and callable(
+        getattr(dataloader, "load_state_dict", None)
+    ):
+        log.info("%s: %s keeps its own position (state_dict)", why, type(dataloader).__name__)
+    else:
+        log.warning("%s: the position within an epoch is not resumable", why)
 
 
 def _rebuild(dataloader: DataLoader[Any], sampler: ElasticSampler, batch_size: int | None) -> Any:

@@ -6,7 +6,9 @@ Saved per checkpoint (through the engine):
 * replicated: Lightning's own checkpoint dict (model, optimizers, schedulers, loops,
   callbacks, precision plugin, datamodule, hyperparameters) plus ``"lightning_elastic"``:
   the data position and the world size that wrote it;
-* per rank: RNG states (Python, NumPy, torch, CUDA) and torchmetrics states;
+* per rank: RNG states (Python, NumPy, torch, CUDA) and torchmetrics states, and every entry
+  of Lightning's dict whose value differs between ranks (a stateful dataloader's position in
+  its own shard, a callback's per-rank counter), found by comparing digests at every save;
 * manifest metadata: reason, step, epoch, JSON-safe hyperparameters, the LightningCLI
   configuration (resolved), and the topology.
 """
@@ -29,14 +31,20 @@ from lightning_elastic.core.elastic import rng
 from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.load.load import LoadResult, read_rank_states
-from lightning_elastic.errors import CheckpointMismatchError, CheckpointNotFoundError
+from lightning_elastic.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    PerRankStateError,
+)
 from lightning_elastic.lightning._compat import dump_checkpoint
+from lightning_elastic.lightning.loader_states import LoaderStates
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,
     metric_states,
     reset_metrics,
     restore_metric_states,
 )
+from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -74,6 +82,7 @@ class ElasticSession:
         self.trusted = bool(getattr(trainer.strategy, "trusted", False))
         # the callback was given a run_name: auto-resume considers only that run
         self.named_run = False
+        self.loader_states = LoaderStates()  # as of the last batch trained, for saves
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
@@ -137,6 +146,8 @@ class ElasticSession:
         trainer = self.trainer
         if checkpoint is None:
             checkpoint = dump_checkpoint(trainer)
+        if trainer.training:  # the loop may have fetched the next batch already
+            checkpoint = self.loader_states.apply(checkpoint)
         position = self.data_position()
         world = self.ensure_coordinator().world_size
         state = dict(checkpoint)
@@ -210,14 +221,27 @@ class ElasticSession:
         """Load a checkpoint (``name``, or the newest valid one) for the trainer to restore.
 
         Returns Lightning's checkpoint dict, or ``None`` when ``name`` is None and there is no
-        valid checkpoint. Per-rank state is kept and handed back at the first training batch.
+        valid checkpoint. Per-rank state is kept and handed back at the first training batch;
+        entries of Lightning's dict that differed between ranks come back per rank, or, at
+        another world size, as :mod:`~lightning_elastic.lightning.per_rank` decides.
         """
         try:
-            result = engine.load(None, checkpoint=name, verify=verify, trusted=self.trusted)
+            result = engine.load(
+                None,
+                checkpoint=name,
+                verify=verify,
+                trusted=self.trusted,
+                per_rank_rules=per_rank_rules(self.trainer),
+            )
         except CheckpointNotFoundError:
             if name is not None:
                 raise
             return None
+        except PerRankStateError as exc:  # say what to do in Lightning's words
+            hint = HINT.format(saved=exc.saved_world_size)
+            raise PerRankStateError(
+                exc.checkpoint, exc.paths, exc.saved_world_size, exc.world_size, hint
+            ) from None
         assert result.state is not None
         checkpoint = result.state
         location = result.info.location
@@ -357,8 +381,11 @@ class ElasticSession:
             self.pending_position = None
 
     def on_train_batch_start(self) -> None:
-        """Right before the first resumed step: put back this rank's RNG and metric states
-        (after dataloader iterators were created, so they cannot shift the streams)."""
+        """At every training batch's start: note the dataloaders' states (a save taken
+        before the next batch holds them); right before the first resumed step, put back this
+        rank's RNG and metric states (after dataloader iterators were created, so they cannot
+        shift the streams)."""
+        self.loader_states.record(self.trainer)
         pending = self.pending_rank_state
         if pending is None:
             return

@@ -70,10 +70,19 @@ def test_manifest_only_cli_verbs_import_neither_lightning_nor_torch(tmp_path: ob
 def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_trainer(
     tmp_path: object,
 ) -> None:
-    """The instance attributes behind ``train_combined_loader``, ``train_loader_mode`` and
-    ``validates_by_time`` exist on a trainer that has set its data up."""
+    """The instance attributes behind ``train_combined_loader``, ``train_loader_mode``,
+    ``train_loader_states``, ``prefetched_batches`` and ``validates_by_time`` exist on a
+    trainer that has set its data up."""
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen: list[object] = []
+
+    class Look(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            fetcher = trainer.fit_loop._data_fetcher
+            seen.append((hasattr(fetcher, "batches"), lightning_compat.prefetched_batches(trainer)))
+            seen.append(lightning_compat.train_loader_states(trainer))
 
     trainer = pl.Trainer(
         default_root_dir=str(tmp_path),
@@ -83,8 +92,10 @@ def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_traine
         enable_progress_bar=False,
         enable_model_summary=False,
         val_check_interval=0.5,
+        callbacks=[Look()],
     )
     trainer.fit(BoringModel())
+    assert seen == [(True, 0), []]  # a sized loader, nothing fetched ahead; none stateful
     combined = lightning_compat.train_combined_loader(trainer)
     assert combined is not None and hasattr(combined, "_mode")
     assert lightning_compat.train_loader_mode(combined) == "max_size_cycle"

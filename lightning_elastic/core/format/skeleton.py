@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Skeleton", "build", "describe", "keys", "merge", "subtree"]
+__all__ = ["Skeleton", "build", "describe", "is_leaf", "keys", "merge", "subtree"]
 
 Skeleton = dict[str, Any] | None
 Path = tuple[str | int, ...]
@@ -35,6 +35,12 @@ def _is_terminal(value: Any) -> bool:
         if isinstance(entry, torch.Tensor):
             return False
     return True
+
+
+def is_leaf(value: Any) -> bool:
+    """Whether DCP stores ``value`` as one leaf (a tensor or an object) rather than
+    traversing it (mappings; lists that hold tensors or containers)."""
+    return _is_terminal(value)
 
 
 def describe(value: Any) -> Skeleton:

@@ -34,8 +34,15 @@ from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
 from lightning_elastic.core.format.manifest import Manifest
 from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
+from lightning_elastic.core.load.per_rank import PerRankRule, restore_per_rank
 from lightning_elastic.core.load.reader import ShardReader
 from lightning_elastic.core.load.safe import UnsafeObjectError, load_object, warn_trusted
+from lightning_elastic.core.save.replicated import (
+    PER_RANK_KEY,
+    PER_RANK_VALUES_KEY,
+    Path,
+    decode_paths,
+)
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
@@ -70,6 +77,7 @@ class LoadResult:
     load_s: float
     bytes_read: int
     state: dict[str, Any] | None = None  # the loaded state (the caller's dict, or a new one)
+    per_rank: tuple[Path, ...] = ()  # entries saved per rank (they differed between ranks)
 
 
 def load_checkpoint(
@@ -81,10 +89,16 @@ def load_checkpoint(
     strict: bool = True,
     verify_s: float = 0.0,
     trusted: bool = False,
+    per_rank_rules: Sequence[PerRankRule] = (),
 ) -> LoadResult:
     """Load ``info`` into ``state`` in place (DCP semantics), or, with ``state=None``, the
     whole checkpoint into a fresh nested dict (``LoadResult.state``); plus this rank's
     rank-local state.
+
+    Entries that were saved per rank (:mod:`~lightning_elastic.core.save.replicated`) get
+    this rank's own value at the saved world size; at another one ``per_rank_rules`` decide,
+    and an entry no rule covers raises
+    :class:`~lightning_elastic.errors.PerRankStateError` on every rank.
 
     Objects are loaded without running code from storage; a type outside the allowlist raises
     :class:`UnsafeCheckpointError`. ``trusted=True`` unpickles them with ``weights_only=False``
@@ -110,6 +124,19 @@ def load_checkpoint(
     if template:
         _dcp_load(template, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
         rank_state = template[RANK_LOCAL_KEY][str(coord.rank)]
+    values = None if rank_state is None else rank_state.pop(PER_RANK_VALUES_KEY, None)
+    if values is not None and not rank_state:
+        rank_state = None  # it only carried the per-rank values
+    paths = _per_rank_paths(state, metadata, skeleton, reader, coord, info, trusted)
+    restore_per_rank(
+        state,
+        paths,
+        values,
+        coord,
+        saved_world_size=info.manifest.world_size,
+        rules=per_rank_rules,
+        location=info.location,
+    )
     return LoadResult(
         info=info,
         manifest=info.manifest,
@@ -118,7 +145,28 @@ def load_checkpoint(
         load_s=time.monotonic() - start,
         bytes_read=reader.bytes_read,
         state=state,
+        per_rank=paths,
     )
+
+
+def _per_rank_paths(
+    state: dict[str, Any],
+    metadata: Metadata,
+    skeleton: Skeleton,
+    reader: ShardReader,
+    coord: Coordinator,
+    info: CheckpointInfo,
+    trusted: bool,
+) -> tuple[Path, ...]:
+    """The replicated list of per-rank entries (taken out of ``state`` when the template
+    loaded it; read on its own, without a collective, for a caller's template)."""
+    if PER_RANK_KEY in state:
+        return decode_paths(state.pop(PER_RANK_KEY))
+    template = _template(metadata, skeleton, (PER_RANK_KEY,))
+    if not template:
+        return ()
+    _dcp_load(template, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
+    return decode_paths(template[PER_RANK_KEY])
 
 
 def read_rank_states(
@@ -151,8 +199,9 @@ def read_full_state(
     """The whole checkpoint as one nested dict, in this process (for export/consolidation).
     ``trusted`` as for :func:`load_checkpoint`."""
     state = read_template(ckpt) or {}
-    if not include_rank_state:
+    if not include_rank_state:  # what is left is rank 0's view, as in a Lightning file
         state.pop(RANK_LOCAL_KEY, None)
+        state.pop(PER_RANK_KEY, None)
     read_into(ckpt, state, trusted=trusted)
     return state
 
