@@ -34,7 +34,8 @@ from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
 from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, load_checkpoint
 from lightning_elastic.core.load.per_rank import PerRankRule
-from lightning_elastic.core.load.select import select_checkpoint
+from lightning_elastic.core.load.select import RUN_NAMED, select_checkpoint
+from lightning_elastic.core.options import check_run_name
 from lightning_elastic.core.policy.retention import KeepBestK, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
 from lightning_elastic.core.save.plan import plan_save
@@ -154,10 +155,8 @@ class CheckpointEngine:
             raise ConfigError(f"leftover_grace must be >= 0, got {leftover_grace}")
         check_compression(compression)
         new_hasher(checksum)  # validates the name
-        if run_id is not None and not (isinstance(run_id, str) and is_plain_name(run_id)):
-            raise ConfigError(
-                f"run id must be a plain name (letters, digits, '.', '_', '-'), got {run_id!r}"
-            )
+        if run_id is not None:
+            check_run_name(run_id, "run_id")
         self.storage = storage
         self.async_save = async_save
         self.when_busy = when_busy
@@ -378,6 +377,8 @@ class CheckpointEngine:
         verify: str = "full",
         strict: bool = True,
         adopt_run: bool = True,
+        take_over: bool = False,
+        skip_named_runs: bool | None = None,
         trusted: bool = False,
         per_rank_rules: Sequence[PerRankRule] = (),
     ) -> LoadResult:
@@ -388,6 +389,11 @@ class CheckpointEngine:
         ``checkpoint`` names a directory under the root; by default the newest valid one is
         used, walking back past corrupt ones. With ``adopt_run`` this engine continues the
         checkpoint's run id, and the checkpoint is protected from retention.
+        ``take_over=True`` takes the run's lease now (:meth:`take_over`): for a job that loads
+        in order to continue writing the run; a reader leaves it (a lease is taken at the
+        first save anyway). ``skip_named_runs`` (default: ``take_over``): an engine without
+        an explicit ``run_id`` does not pick the newest checkpoint of a run that was named
+        explicitly (an unnamed job never continues someone's named run).
 
         Objects (everything that is not a tensor) are unpickled with an allowlist and never run
         code from storage; a checkpoint holding other types raises
@@ -412,6 +418,9 @@ class CheckpointEngine:
             checkpoint,
             verify,
             run_id=None if checkpoint is not None else self._run_filter(),
+            skip_named=checkpoint is None
+            and not self._explicit_run
+            and (take_over if skip_named_runs is None else skip_named_runs),
         )
         if info is None:
             only = f" of run {self.run_id!r}" if self._explicit_run else ""
@@ -436,7 +445,8 @@ class CheckpointEngine:
             if info.run_id != self._ctx.run_id:
                 log.info("resuming run %s from %s", info.run_id, info.location)
             self._ctx.run_id = info.run_id
-        self._fence()
+        if take_over:
+            self.take_over()
         log.info("loaded checkpoint %s (step %s)", info.location, info.step)
         return result
 
@@ -449,9 +459,11 @@ class CheckpointEngine:
     def _run_filter(self) -> str | None:
         return self.run_id if self._explicit_run else None
 
-    def _fence(self) -> None:
-        """Take this job's lease on the run now (rank 0), so a still-running older copy of
-        the job cannot commit from here on (see :mod:`~lightning_elastic.core.dist.lease`)."""
+    def take_over(self) -> None:
+        """Take this job's lease on the run now (collective; rank 0 writes it), so a
+        still-running older copy of the job cannot commit from here on (see
+        :mod:`~lightning_elastic.core.dist.lease`). Call it once the job is sure to continue
+        the run; the first save takes it otherwise."""
         ctx = self._ctx
 
         def take() -> None:
@@ -493,7 +505,10 @@ class CheckpointEngine:
             check_json_safe(clean_metrics, "metrics")
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from exc
-        return SaveRequest(step, epoch, clean_metrics, dict(metadata or {}), name, overwrite)
+        meta = dict(metadata or {})
+        if self._explicit_run:
+            meta[RUN_NAMED] = True
+        return SaveRequest(step, epoch, clean_metrics, meta, name, overwrite)
 
     def _writer(self) -> ThreadPoolExecutor:
         if self._executor is None:

@@ -11,6 +11,7 @@ is an error, not "every 2 steps" or "every 5"; ``shard_optimizer_state="yes"`` i
 from __future__ import annotations
 
 import math
+import re
 import signal as signal_module
 from collections.abc import Sequence
 from datetime import timedelta
@@ -23,12 +24,16 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_count",
+    "check_run_name",
     "check_seconds",
     "check_signals",
     "one_timeout",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+MAX_SECONDS = 365 * 24 * 3600.0  # beyond this a "timeout" is a mistake (and overflows timers)
+# signals a process cannot catch: a checkpoint on them is impossible
+_UNCATCHABLE = {int(signal_module.SIGKILL), int(signal_module.SIGSTOP)}
 
 
 def _given(value: Any) -> str:
@@ -70,8 +75,10 @@ def check_seconds(value: Any, name: str) -> float:
         raise ConfigError(
             f"{name} must be a timedelta or a number of seconds > 0, got {_given(value)}"
         )
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ConfigError(f"{name} must be a finite duration > 0, got {value!r}")
+    if not (seconds > 0 and math.isfinite(seconds)) or seconds > MAX_SECONDS:
+        raise ConfigError(
+            f"{name} must be a duration > 0 and <= {MAX_SECONDS:g} s (a year), got {value!r}"
+        )
     return seconds
 
 
@@ -80,6 +87,8 @@ def check_signals(value: Any, name: str = "signals") -> tuple[int, ...]:
     one string of comma-separated names (``"SIGTERM,SIGUSR1"``); empty means none."""
     if value is None:
         return ()
+    if isinstance(value, (bytes, bytearray)):
+        raise ConfigError(f"{name}: {_given(value)} is not a signal name or number")
     items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
     if isinstance(items, (int, bool)) or not isinstance(items, Sequence):
         items = [items]
@@ -99,7 +108,25 @@ def check_signals(value: Any, name: str = "signals") -> tuple[int, ...]:
             raise ConfigError(
                 f"{name}: unknown signal {item!r}; use names like 'SIGTERM' or 'SIGUSR1'"
             ) from None
+    caught = [n for n in numbers if n in _UNCATCHABLE]
+    if caught:
+        names = ", ".join(signal_module.Signals(n).name for n in caught)
+        raise ConfigError(f"{name}: {names} cannot be caught, so no checkpoint can be taken on it")
     return tuple(numbers)
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_name(value: Any, name: str = "run_name") -> str:
+    """A run name usable in paths on every storage: 1-128 letters, digits, ``.``, ``_``,
+    ``-``, starting with a letter or digit."""
+    if not isinstance(value, str) or not _RUN_NAME.match(value):
+        raise ConfigError(
+            f"{name} must be 1-128 letters, digits, '.', '_' or '-' (starting with a letter or "
+            f"digit), got {_given(value)}"
+        )
+    return value
 
 
 def one_timeout(**sources: timedelta | float | None) -> timedelta:

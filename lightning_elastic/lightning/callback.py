@@ -41,10 +41,10 @@ from lightning.pytorch.strategies import (
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.integrity import VERIFY_MODES
-from lightning_elastic.core.format.manifest import is_plain_name
 from lightning_elastic.core.options import (
     check_bool,
     check_choice,
+    check_run_name,
     check_seconds,
     check_signals,
     one_timeout,
@@ -144,11 +144,7 @@ class DistributedCheckpoint(Checkpoint):
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
         self.storage_options = dict(storage_options or {})
-        if run_name is not None and not (isinstance(run_name, str) and is_plain_name(run_name)):
-            raise ConfigError(
-                f"run_name must be a plain name (letters, digits, '.', '_', '-'), got {run_name!r}"
-            )
-        self.run_name = run_name
+        self.run_name = None if run_name is None else check_run_name(run_name)
         self._step_trigger = (
             None if every_n_train_steps is None else EveryNSteps(every_n_train_steps)
         )
@@ -246,6 +242,7 @@ class DistributedCheckpoint(Checkpoint):
             compression=self.compression,
             run_id=self.run_name,
         )
+        session.writer = self._engine
         if stage == "fit":
             self._engine.check_writable()  # a bad dirpath fails here, not at the first save
         self._agreement = Agreement(session.ensure_coordinator())
@@ -403,6 +400,15 @@ class DistributedCheckpoint(Checkpoint):
         metrics = {}
         if self.monitor is not None and self.monitor in trainer.callback_metrics:
             metrics[self.monitor] = float(trainer.callback_metrics[self.monitor])
+        elif self.monitor is not None and not trainer.enable_validation:
+            # no validation will ever log it: a misspelled training metric, or a validation
+            # metric without a validation loop (with one, on_validation_end checks)
+            logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
+            raise ConfigError(
+                f"DistributedCheckpoint(monitor={self.monitor!r}): no such metric at this save "
+                f"and this fit runs no validation (logged: {logged}); log it with "
+                f"self.log({self.monitor!r}, ...) or fix the name"
+            )
         handle = self._session.save(
             self._engine, reason=reason, blocking=blocking, metrics=metrics, checkpoint=checkpoint
         )

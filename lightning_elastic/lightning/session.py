@@ -82,6 +82,9 @@ class ElasticSession:
         self.trusted = bool(getattr(trainer.strategy, "trusted", False))
         # the callback was given a run_name: auto-resume considers only that run
         self.named_run = False
+        # the engine the checkpoint callback writes with: loading through it for fit takes
+        # the run over (its lease); loading elsewhere or to evaluate never does
+        self.writer: CheckpointEngine | None = None
         self.loader_states = LoaderStates()  # as of the last batch trained, for saves
 
     @classmethod
@@ -232,6 +235,7 @@ class ElasticSession:
                 verify=verify,
                 trusted=self.trusted,
                 per_rank_rules=per_rank_rules(self.trainer),
+                skip_named_runs=True,  # only reaches the search when name is None: auto-resume
             )
         except CheckpointNotFoundError:
             if name is not None:
@@ -252,17 +256,23 @@ class ElasticSession:
             if auto
             else "pass the checkpoint of this model"
         )
-        if getattr(module, "strict_loading", True) and isinstance(
-            checkpoint.get("state_dict"), Mapping
-        ):
-            mismatch = model_mismatch(checkpoint["state_dict"], module.state_dict())
+        if isinstance(checkpoint.get("state_dict"), Mapping):
+            mismatch = model_mismatch(
+                checkpoint["state_dict"],
+                module.state_dict(),
+                keys=getattr(module, "strict_loading", True),
+            )
             if mismatch is not None:
                 raise CheckpointMismatchError(
                     f"checkpoint at {location} was written by a different model (first "
                     f"mismatch: {mismatch}); {redo}"
                 )
+        fitting = self.trainer.state.fn == "fit"
         if auto:
             self._check_same_experiment(result)
+        if fitting and engine is self.writer:
+            # this job continues the run: from now on an older copy of it may not commit
+            engine.take_over()
         elastic = checkpoint.pop(ELASTIC_KEY, None) or {}
         saved_world = int(elastic.get("world_size") or result.manifest.world_size)
         world = self.ensure_coordinator().world_size
@@ -270,7 +280,7 @@ class ElasticSession:
         self.pending_position = DataPosition(**position) if position else None
         self.pending_rank_state = result.rank_state or {}
         self.resumed = result
-        if saved_world != world:
+        if saved_world != world and fitting:
             # metric accumulators of all saved ranks are folded into rank 0; others start empty
             metrics: dict[str, Any] = {}
             if self.ensure_coordinator().rank == 0:
@@ -288,7 +298,7 @@ class ElasticSession:
                 world,
             )
         if auto and self.ensure_coordinator().rank == 0:
-            self._announce(result, saved_world, world)
+            self._announce(engine, result, saved_world, world, _epochs_done(checkpoint))
         saved_topology = result.manifest.metadata.get("topology")
         if saved_topology is not None and saved_topology != topology(world):
             log.info("topology changed: was %s, now %s", saved_topology, topology(world))
@@ -315,39 +325,46 @@ class ElasticSession:
                 difference,
             )
 
-    def _announce(self, result: LoadResult, saved_world: int, world: int) -> None:
+    def _announce(
+        self,
+        engine: CheckpointEngine,
+        result: LoadResult,
+        saved_world: int,
+        world: int,
+        epochs_done: int,
+    ) -> None:
         """The loud line of an automatic resume: what is resumed, from where and why, and a
         word when there is nothing left to train."""
         manifest, trainer = result.manifest, self.trainer
         age = max(0.0, time.time() - float(manifest.created_unix or 0.0))
         log.warning(
             "resume='auto': continuing run %r from %s (step %d, epoch %d, written %s ago by %d "
-            "process(es), now %d): it is the newest valid checkpoint %s in %s. Pass "
+            "process(es), now %d): it is the newest valid checkpoint%s in %s. Pass "
             "resume='never', another dirpath or a new run_name to start a new run instead.",
             result.info.run_id,
             result.info.location,
             manifest.step,
-            int(manifest.epoch or 0),
+            epochs_done,
             _duration(age),
             saved_world,
             world,
-            "of this run_name" if result.info.run_id and self.named_run else "",
-            result.info.location.rsplit("/", 2)[0],
+            " of this run_name" if self.named_run else "",
+            engine.storage.display(),
         )
         max_steps = trainer.max_steps
         max_epochs = trainer.max_epochs
         reached = []
         if max_steps is not None and max_steps >= 0 and manifest.step >= max_steps:
             reached.append(f"max_steps={max_steps}")
-        if max_epochs is not None and max_epochs >= 0 and int(manifest.epoch or 0) >= max_epochs:
+        if max_epochs is not None and max_epochs >= 0 and epochs_done >= max_epochs:
             reached.append(f"max_epochs={max_epochs}")
         if reached:
             log.warning(
-                "the checkpoint resumed from is at step %d, epoch %d: %s already reached, so "
-                "this fit trains nothing. Raise %s to train on; pass resume='never', another "
-                "dirpath or a new run_name to start over.",
+                "the checkpoint resumed from is at step %d after %d complete epoch(s): %s "
+                "already reached, so this fit trains nothing. Raise %s to train on; pass "
+                "resume='never', another dirpath or a new run_name to start over.",
                 manifest.step,
-                int(manifest.epoch or 0),
+                epochs_done,
                 " and ".join(reached),
                 " / ".join(r.split("=")[0] for r in reached),
             )
@@ -401,16 +418,22 @@ class ElasticSession:
         restore_metric_states(module, pending.get("metrics") or {})
 
 
-def model_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+def model_mismatch(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *, keys: bool = True
+) -> str | None:
     """The first difference between a checkpoint's model ``state_dict`` and the model's, in
-    words (a missing or unexpected key, or a shape), or ``None``."""
-    for key in current:
-        if key not in saved:
-            return f"{key!r} is not in the checkpoint"
-    for key in saved:
-        if key not in current:
-            return f"the checkpoint has {key!r}, which this model does not"
+    words (a missing or unexpected key, or a shape), or ``None``; ``keys=False`` (a module
+    with ``strict_loading=False``) compares only the shapes of the keys both have."""
+    if keys:
+        for key in current:
+            if key not in saved:
+                return f"{key!r} is not in the checkpoint"
+        for key in saved:
+            if key not in current:
+                return f"the checkpoint has {key!r}, which this model does not"
     for key, tensor in current.items():
+        if key not in saved:
+            continue
         old, new = getattr(saved[key], "shape", None), getattr(tensor, "shape", None)
         if old is not None and new is not None and tuple(old) != tuple(new):
             return f"{key!r} has shape {tuple(old)} in the checkpoint, {tuple(new)} in this model"
@@ -423,16 +446,28 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 def hparams_difference(saved: Any, current: Any) -> str | None:
     """The first hyperparameter whose value differs between two JSON-safe renderings (see
     :func:`_jsonable`), or ``None``; values that are reprs of objects with a memory address
-    differ on every run and are not compared."""
+    differ on every run: the addresses are left out of the comparison."""
     if not isinstance(saved, dict) or not isinstance(current, dict):
         return None
+
+    def canonical(value: Any) -> str:  # memory addresses anywhere inside are left out
+        return _ADDRESS.sub("", json.dumps(value, sort_keys=True, default=repr))
+
     for key in sorted(set(saved) | set(current), key=str):
         old, new = saved.get(key, "<unset>"), current.get(key, "<unset>")
-        if any(isinstance(v, str) and _ADDRESS.search(v) for v in (old, new)):
-            continue
-        if old != new:
+        if canonical(old) != canonical(new):
             return f"{key}: {old!r} in the checkpoint, {new!r} now"
     return None
+
+
+def _epochs_done(checkpoint: Mapping[str, Any]) -> int:
+    """How many epochs the checkpoint's fit loop completed (not ``current_epoch``, which a stop
+    inside an epoch at ``max_steps`` has already advanced)."""
+    try:
+        progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]
+        return int(progress["completed"])
+    except (KeyError, TypeError, ValueError):
+        return int(checkpoint.get("epoch", 0) or 0)
 
 
 def _duration(seconds: float) -> str:
@@ -466,6 +501,8 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):  # in a stable order (set order follows the hash seed)
+        return sorted((_jsonable(v) for v in value), key=repr)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value is None or isinstance(value, (str, int, float, bool)):

@@ -135,7 +135,7 @@ def run_job(spec: JobSpec) -> JobReport:
                 dist.barrier()
         steps = spec.steps
         if spec.resume:
-            loaded = engine.load(None, trusted=True)
+            loaded = engine.load(None, trusted=True, take_over=True)
             report.leased_at = time.time()
             report.resumed = loaded.info.name
             steps = tuple(loaded.manifest.step + i for i in range(1, len(steps) + 1))

@@ -477,7 +477,7 @@ def test_a_stale_writer_learns_it_is_stale_whatever_else_fails(tmp_path: Path) -
     storage = hooked(root)
     with engine("run-r", storage=storage) as a, engine("run-r", root=root) as b:
         save(a, 1, "a")
-        b.load(None, trusted=True)  # the requeued copy resumes: a newer lease
+        b.load(None, trusted=True, take_over=True)  # the requeued copy resumes: a newer lease
 
         def removed_under_it() -> None:
             raise FileNotFoundError(errno.ENOENT, "removed by the newer job's cleanup")

@@ -103,3 +103,30 @@ def test_listing_reports_links_without_following_them(tmp_path: Path) -> None:
     entries = {e.name: e for e in Storage(str(root)).listdir()}
     assert entries["link"].is_link and not entries["link"].is_dir
     assert entries["d"].is_dir and not entries["d"].is_link
+
+
+def test_a_file_linked_outside_is_never_read_through_the_link(tmp_path: Path) -> None:
+    """A manifest (or shard) replaced by a link to a file outside the root: unreadable, the
+    checkpoint is skipped (not quarantined: no lasting mark) and resume falls back."""
+    import warnings
+
+    from lightning_elastic.errors import CorruptCheckpointWarning
+
+    root = tmp_path / "ckpts"
+    with CheckpointEngine(str(root), async_save=False) as engine:
+        save(engine, 1)
+        newest = save(engine, 2)
+    outside = tmp_path / "elsewhere.json"
+    (root / newest / "manifest.json").rename(outside)
+    os.symlink(outside, root / newest / "manifest.json")
+    with CheckpointEngine(str(root)) as engine, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert engine.load(None).info.step == 1
+    assert any(
+        issubclass(w.category, CorruptCheckpointWarning) and "symbolic link" in str(w.message)
+        for w in seen
+    )
+    assert not (root / newest / "_quarantine.json").exists()
+    with pytest.raises(StorageError, match="symbolic link"):
+        Storage(str(root)).read_bytes(f"{newest}/manifest.json")
+    assert cli(["verify", str(root / newest)]) == 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from lightning_elastic import CheckpointEngine, DistributedCheckpoint, ElasticStrategy
 from lightning_elastic.errors import CheckpointMismatchError, ConfigError
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,23 +65,24 @@ class Net(pl.LightningModule):
         return self._data()
 
 
-def fit(
+def trainer_for(
     dirpath: Path | str,
-    model: Net | None = None,
     *,
     max_steps: int = 4,
     strategy: Any = "auto",
+    max_epochs: int | None = None,
+    validate: bool = True,
     **callback: Any,
-) -> tuple[Net, DistributedCheckpoint]:
-    model = model or Net()
+) -> tuple[pl.Trainer, DistributedCheckpoint]:
     checkpoint = DistributedCheckpoint(
         str(dirpath), every_n_train_steps=2, async_save=False, signals=(), **callback
     )
     trainer = pl.Trainer(
         default_root_dir=str(Path(str(dirpath)).parent),
         max_steps=max_steps,
-        limit_val_batches=2,
-        val_check_interval=2,
+        max_epochs=max_epochs,
+        limit_val_batches=2 if validate else 0,
+        val_check_interval=2 if validate else None,
         devices=1,
         strategy=strategy,
         callbacks=[checkpoint],
@@ -90,6 +91,14 @@ def fit(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    return trainer, checkpoint
+
+
+def fit(
+    dirpath: Path | str, model: Net | None = None, **options: Any
+) -> tuple[Net, DistributedCheckpoint]:
+    model = model or Net()
+    trainer, checkpoint = trainer_for(dirpath, **options)
     trainer.fit(model)
     return model, checkpoint
 
@@ -229,3 +238,81 @@ def test_an_unreachable_bucket_fails_at_setup(s3_server) -> None:
     with pytest.raises(ConfigError, match="cannot write checkpoints to s3://no-such-bucket"):
         fit("s3://no-such-bucket/ckpts", model, storage_options=s3_server.storage_options)
     assert model.steps_trained == 0
+
+
+def leases(root: Path, run: str) -> list[str]:
+    return sorted(p.name for p in (root / ".leases" / run).glob("gen-*.json"))
+
+
+def test_only_a_fit_that_continues_the_run_takes_it_over(tmp_path: Path) -> None:
+    """Evaluating or reading a run's checkpoint never fences the job that writes it (its next
+    save would fail with StaleWriterError); a fit that resumes it does."""
+    root = tmp_path / "ckpts"
+    fit(root, run_name="a")
+    before = leases(root, "a")
+    assert len(before) == 1
+    trainer, _ = trainer_for(root, run_name="a")
+    trainer.validate(Net(), ckpt_path="last")
+    trainer, _ = trainer_for(root, run_name="a")
+    trainer.validate(Net(), ckpt_path=str(root / "step_000000004"))
+    with CheckpointEngine(str(root)) as reader:  # docs/resuming.md "From Python"
+        reader.load(None, trusted=True)
+    assert leases(root, "a") == before
+    with pytest.raises(CheckpointMismatchError):  # refused before taking anything over
+        fit(root, Net(hidden=16), run_name="a", max_steps=6)
+    assert leases(root, "a") == before
+    fit(root, run_name="a", max_steps=6)
+    assert len(leases(root, "a")) == 2
+
+
+def test_an_unnamed_job_never_continues_a_named_run(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    fit(root, run_name="b", keep_last_n=3)
+    named = sorted(p.name for p in root.glob("step_*"))
+    model, _ = fit(root, max_steps=6, keep_last_n=1)
+    assert model.steps_trained == 6, "the unnamed job must start its own run"
+    assert set(named) <= {p.name for p in root.glob("step_*")}, "b's checkpoints deleted"
+    assert run_ids(root) - {"b"}, "the unnamed job's checkpoints carry their own run id"
+
+
+def test_a_mid_epoch_max_steps_stop_is_not_a_finished_epoch(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "ckpts"
+    fit(root, max_steps=4, max_epochs=1)  # 8 batches per epoch: stops inside epoch 0
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        model, _ = fit(root, max_steps=100, max_epochs=1)
+    assert model.steps_trained == 4
+    assert "trains nothing" not in caplog.text
+    assert "step 4, epoch 0" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        model, _ = fit(root, max_steps=100, max_epochs=1)
+    assert model.steps_trained == 0 and "max_epochs=1 already reached" in caplog.text
+
+
+class Loose(Net):
+    strict_loading = False
+
+
+def test_shapes_are_checked_also_without_strict_loading(tmp_path: Path) -> None:
+    fit(tmp_path / "ckpts", Loose())
+    with pytest.raises(CheckpointMismatchError, match=r"'layer\.weight' has shape"):
+        fit(tmp_path / "ckpts", Loose(hidden=16), max_steps=6)
+
+
+def test_a_monitor_no_validation_logs_raises_at_the_first_save(tmp_path: Path) -> None:
+    model = Net()
+    with pytest.raises(ConfigError, match=r"monitor='val_loss'.*runs no validation"):
+        fit(tmp_path / "ckpts", model, monitor="val_loss", keep_best_k=1, validate=False)
+    assert model.steps_trained == 2
+
+
+class Thing:
+    pass
+
+
+def test_identical_hyperparameters_do_not_warn(tmp_path: Path, caplog) -> None:
+    from lightning_elastic.lightning.session import _jsonable, hparams_difference
+
+    saved = _jsonable({"tags": {"x", "y", "z"}, "things": [Thing()], "lr": 0.1})
+    again = _jsonable({"tags": {"z", "x", "y"}, "things": [Thing()], "lr": 0.1})
+    assert hparams_difference(saved, again) is None
+    assert hparams_difference(saved, {**again, "lr": 0.2}) == ("lr: 0.1 in the checkpoint, 0.2 now")

@@ -33,6 +33,7 @@ from lightning_elastic.errors import (
     ManifestError,
     StorageError,
     StorageNotFoundError,
+    TransientStorageError,
     UnsupportedFormatError,
     UntrustedManifestError,
 )
@@ -247,6 +248,20 @@ class Catalog:
                 staging=staging,
                 quarantine=quarantine,
                 untrusted=isinstance(exc, UntrustedManifestError),
+            )
+        except TransientStorageError:
+            raise  # retried already; not a verdict on the checkpoint
+        except StorageError as exc:
+            # unreadable for good (a symbolic link planted as the manifest, no permission):
+            # skipped like an untrusted manifest, but never quarantined (no lasting mark)
+            return CheckpointInfo(
+                name,
+                location,
+                CORRUPT,
+                problem=f"unreadable manifest: {exc}",
+                staging=staging,
+                quarantine=quarantine,
+                untrusted=True,
             )
         if quarantine is not None:
             problem = f"quarantined: {quarantine.file}: {quarantine.reason}"

@@ -38,6 +38,7 @@ def select_checkpoint(
     *,
     run_id: str | None = None,
     order: Callable[[list[CheckpointInfo]], list[CheckpointInfo]] | None = None,
+    skip_named: bool = False,
 ) -> CheckpointInfo | None:
     """The checkpoint to load, verified with ``verify``.
 
@@ -46,6 +47,8 @@ def select_checkpoint(
     back past corrupt ones, which are quarantined with a warning; or ``None``. ``order``
     replaces "newest first": it receives the scan (oldest first) and returns the candidates
     in the order to try (rank 0 calls it; e.g. best first by a metric, see ``KeepBestK``).
+    ``skip_named`` leaves out the checkpoints of runs that were given their name explicitly
+    (an unnamed job never continues, nor adopts, someone's named run).
     """
     if name is not None:
         info = coord.broadcast(
@@ -64,6 +67,8 @@ def select_checkpoint(
     for info in candidates:
         if run_id is not None and info.run_id != run_id:
             continue  # another run sharing the directory: never resumed, never touched
+        if skip_named and info.manifest is not None and info.manifest.metadata.get(RUN_NAMED):
+            continue  # a named run: only a job given that name continues it
         if info.status == INCOMPLETE:
             log.info("skipping %s: %s", info.location, info.problem)
             continue
@@ -83,6 +88,9 @@ def select_checkpoint(
         first = sorted(problems, key=lambda p: p.file)[0]
         _quarantine(catalog, coord, info, first.file, first.reason)
     return None
+
+
+RUN_NAMED = "run_named"  # manifest metadata: the run id was given explicitly (run_name=...)
 
 
 def _newest_first(scan: list[CheckpointInfo]) -> list[CheckpointInfo]:

@@ -127,7 +127,7 @@ class LocalStorage(Storage):
         path = self.full(rel)
 
         def read() -> bytes:
-            with open(path, "rb") as f:
+            with open(path, "rb", opener=_no_follow) as f:
                 f.seek(start)
                 return f.read() if length is None else f.read(length)
 
@@ -146,7 +146,7 @@ class LocalStorage(Storage):
 
         def read() -> int:
             got = 0
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb", buffering=0, opener=_no_follow) as f:
                 f.seek(offset)
                 view = out.cast("B")
                 while got < want:
@@ -170,7 +170,7 @@ class LocalStorage(Storage):
         def digest() -> Written:
             hasher = new_hasher(algorithm)
             size = 0
-            with open(path, "rb") as f:
+            with open(path, "rb", opener=_no_follow) as f:
                 while chunk := f.read(_READ_CHUNK):
                     hasher.update(chunk)
                     size += len(chunk)
@@ -334,6 +334,12 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """``open``'s opener: a file that is a symbolic link is not read through (``ELOOP``), so a
+    link planted in a checkpoint never makes us read outside the root."""
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _fsync_dir(path: str) -> None:
