@@ -643,6 +643,11 @@ def _prune(args: argparse.Namespace) -> int:
     valid = [r.info for r in rows if r.status == VALID.value]
     runs = sorted({i.run_id for i in valid if i.run_id})
     if args.run_id is not None:
+        if args.run_id not in runs:
+            raise CliError(
+                f"no valid checkpoint of run {args.run_id!r} in {args.path} (runs here: "
+                f"{', '.join(runs) or 'none'})"
+            )
         runs = [r for r in runs if r == args.run_id]
     doomed: list[CheckpointInfo] = []
     for run in runs:

@@ -165,6 +165,8 @@ def test_prune_keeps_each_runs_newest(tmp_path, capsys) -> None:
     run(capsys, "prune", str(tmp_path), "--keep-last", "1")
     assert checkpoint_dirs(tmp_path) == ["step_000000002", "step_000000004"]
     run(capsys, "prune", str(tmp_path), "--keep-last", "1", "--run-id", "a")
+    code, _, err = run(capsys, "prune", str(tmp_path), "--keep-last", "1", "--run-id", "nope")
+    assert code == 2 and "no valid checkpoint of run 'nope'" in err and "runs here: a, b" in err
 
 
 def test_consolidate_writes_one_loadable_file(root, tmp_path, capsys) -> None:
