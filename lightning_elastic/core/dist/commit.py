@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
-import logging
 import platform
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.dist.channel import CommitDecision
 from lightning_elastic.core.format.dcp_json import ItemLocation, metadata_to_json
 from lightning_elastic.core.dist.lease import check_lease
@@ -42,7 +42,7 @@ from lightning_elastic.errors import CheckpointTimeoutError, Phase, RankFailure,
 
 __all__ = ["commit_as_coordinator", "library_versions"]
 
-log = logging.getLogger(__name__)
+log = fork_safe_logger(__name__)  # also logs from the writer thread
 
 
 def commit_as_coordinator(

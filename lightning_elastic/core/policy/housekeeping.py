@@ -26,11 +26,11 @@ Rules (docs/guarantees.md states them for users):
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection, Sequence
 
 from lightning_elastic.core.dist.lease import LEASES_DIR, lease_leftovers
+from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.catalog import (
     INCOMPLETE,
     Catalog,
@@ -55,7 +55,7 @@ __all__ = [
     "discard_uncommitted",
 ]
 
-log = logging.getLogger(__name__)
+log = fork_safe_logger(__name__)  # also logs from the writer thread
 DEFAULT_GRACE_S = 3600.0
 
 

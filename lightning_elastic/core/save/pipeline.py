@@ -18,13 +18,13 @@ Which rank calls what:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import socket
 import time
 from typing import Any
 
 from lightning_elastic.core.dist.commit import commit_as_coordinator, encode_result
+from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.manifest import Manifest, RankRecord, shard_file_name
 from lightning_elastic.core.policy.housekeeping import after_commit
 from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
@@ -34,7 +34,7 @@ from lightning_elastic.errors import Phase, RankFailure
 
 __all__ = ["finish_save", "stage_save"]
 
-log = logging.getLogger(__name__)
+log = fork_safe_logger(__name__)  # also logs from the writer thread
 # Grace period ranks != 0 add to the deadline, so rank 0's verdict (naming the guilty rank)
 # normally arrives before their own timeout fires.
 _GRACE_MIN_S = 2.0

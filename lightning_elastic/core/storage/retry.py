@@ -8,13 +8,13 @@ fail at once with a typed :class:`~lightning_elastic.errors.StorageError`.
 from __future__ import annotations
 
 import errno
-import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.errors import (
     ConfigError,
     ElasticCheckpointError,
@@ -27,7 +27,7 @@ from lightning_elastic.errors import (
 
 __all__ = ["RetryPolicy", "classify_error", "retry_call"]
 
-log = logging.getLogger(__name__)
+log = fork_safe_logger(__name__)  # also logs from the writer thread
 T = TypeVar("T")
 
 _TRANSIENT_ERRNOS = frozenset(
