@@ -33,6 +33,7 @@ _EXPORTS = {
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
     "ElasticSampler": "lightning_elastic.lightning.data",
     "ElasticStrategy": "lightning_elastic.lightning.strategy",
+    "ForkingWorkersWarning": "lightning_elastic.lightning.fork_safety",
     **{
         name: "lightning_elastic.errors"
         for name in (
@@ -111,6 +112,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     )
     from lightning_elastic.lightning.callback import DistributedCheckpoint
     from lightning_elastic.lightning.data import ElasticSampler
+    from lightning_elastic.lightning.fork_safety import ForkingWorkersWarning
     from lightning_elastic.lightning.strategy import ElasticStrategy
 
 

@@ -59,6 +59,7 @@ from lightning_elastic.core.policy.triggers import (
 )
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
+from lightning_elastic.lightning.fork_safety import warn_forking_workers
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
@@ -256,6 +257,9 @@ class DistributedCheckpoint(Checkpoint):
         install_dataloader_hook(trainer, session)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        warn_forking_workers(  # CPython gh-112275 (Python < 3.11.10): see getting-started.md
+            trainer.train_dataloader, async_save=self.async_save, rank=trainer.global_rank
+        )
         if self.signals:
             self._flag = SignalFlag(self.signals)
             self._flag.install()  # after Lightning's own handlers: ours decide for all ranks

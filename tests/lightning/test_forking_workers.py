@@ -111,3 +111,33 @@ def test_this_python_decides_by_default() -> None:
         warnings.simplefilter("always")
         message = warn_forking_workers(loader(num_workers=2), async_save=True)
     assert (message is None) == python_fork_hang_fixed()
+
+
+def test_the_callback_warns_at_train_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs from DistributedCheckpoint.on_train_start, on any strategy."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+
+    from lightning_elastic import DistributedCheckpoint
+
+    monkeypatch.setattr(fork_safety, "python_fork_hang_fixed", lambda: False)
+
+    class Model(BoringModel):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(
+                RandomDataset(32, 16), batch_size=4, num_workers=1, multiprocessing_context="fork"
+            )
+
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[DistributedCheckpoint(str(tmp_path / "ckpts"), signals=())],
+    )
+    torch.manual_seed(0)
+    with pytest.warns(ForkingWorkersWarning, match="persistent_workers=True"):
+        trainer.fit(Model())
