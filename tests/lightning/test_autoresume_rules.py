@@ -6,6 +6,7 @@ setup, one checkpoint timeout."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -25,10 +26,15 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(autouse=True)
 def _no_process_group_left() -> Any:
     """ElasticStrategy in-process initializes a (1-process) default group that Lightning's
-    teardown keeps: destroy it, or later tests of this session think they run distributed."""
+    teardown keeps, and Lightning writes MASTER_ADDR/MASTER_PORT/... into os.environ: destroy
+    the group and put the environment back, or later tests of this session think they run
+    distributed, and the scripts they start inherit a port that is taken."""
+    environ = dict(os.environ)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 class Net(pl.LightningModule):
