@@ -38,14 +38,11 @@ class PlannedExitAgent(LocalElasticAgent):
     """torch's local elastic agent, counting a worker group that exited after an agreed
     checkpoint as a membership change (a restart that keeps the failure budget)."""
 
-    planned_restarts = 0
-
     def _monitor_workers(self, worker_group: Any) -> Any:
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._planned(result):
             # the agent's loop spends one restart on a failed group: give it back
             self._remaining_restarts += 1
-            self.planned_restarts += 1
             log.warning(
                 "worker group left after an agreed checkpoint (planned exit of ranks %s): "
                 "restarting without counting a failure (%d restarts left)",

@@ -60,7 +60,12 @@ def kill_tree(pid: int) -> None:
             proc.send_signal(signal.SIGKILL)
 
 
-LOGS: list = []
+def stop(agents: list[subprocess.Popen]) -> None:
+    """Kill what is still running of ``agents`` (agent and workers) and reap them."""
+    for proc in agents:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        proc.wait()
 
 
 def agent(
@@ -146,10 +151,7 @@ def test_node_leaves_and_rejoins(tmp_path) -> None:
         assert first.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
         assert third.wait(timeout=60) == 0, (tmp_path / "agent-b2.log").read_text()[-3000:]
     finally:
-        for proc in agents:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-            proc.wait()
+        stop(agents)
     recs = records(tmp_path)
     assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
     assert_each_epoch_once(tmp_path, max_steps)
@@ -195,12 +197,6 @@ def test_standalone_restarts_at_2_then_3(tmp_path) -> None:
 
 
 LAUNCHER = ("-c", "import sys; from lightning_elastic.cli import main; sys.exit(main())", "run")
-
-
-def re_executed_steps(recs: list[dict]) -> int:
-    """Steps trained more than once (by several worker groups), counted once per repeat."""
-    trained = {(r["inc"], r["step"]) for r in recs if r["kind"] == "step"}
-    return len(trained) - len({step for _, step in trained})
 
 
 def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
@@ -262,10 +258,7 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
                 progress(2, mark)
         assert host.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
     finally:
-        for proc in agents:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-            proc.wait()
+        stop(agents)
     recs = records(tmp_path)
     assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
     groups: dict[float, dict] = {}
