@@ -32,6 +32,7 @@ _EXPORTS = {
     "Storage": "lightning_elastic.core.storage.base",
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
     "ElasticSampler": "lightning_elastic.lightning.data",
+    "ElasticFSDPStrategy": "lightning_elastic.lightning.fsdp",
     "ElasticStrategy": "lightning_elastic.lightning.strategy",
     "ForkingWorkersWarning": "lightning_elastic.lightning.fork_safety",
     **{
@@ -113,6 +114,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.lightning.callback import DistributedCheckpoint
     from lightning_elastic.lightning.data import ElasticSampler
     from lightning_elastic.lightning.fork_safety import ForkingWorkersWarning
+    from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
     from lightning_elastic.lightning.strategy import ElasticStrategy
 
 

@@ -32,7 +32,7 @@ from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
-from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, load_checkpoint
+from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, Targets, load_checkpoint
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED, select_checkpoint
 from lightning_elastic.core.options import check_run_name
@@ -381,10 +381,13 @@ class CheckpointEngine:
         skip_named_runs: bool | None = None,
         trusted: bool = False,
         per_rank_rules: Sequence[PerRankRule] = (),
+        targets: Targets | None = None,
     ) -> LoadResult:
         """Load into ``state`` in place, at this world size (DCP reshards as needed); with
         ``state=None`` the whole checkpoint is returned as a new nested dict
-        (``result.state``), its containers and key types as they were saved.
+        (``result.state``), its containers and key types as they were saved, and
+        ``targets(path, shape, dtype)`` may give the tensor (e.g. a ``DTensor`` of this
+        world's layout) a saved tensor is loaded into instead of a new full-size one.
 
         ``checkpoint`` names a directory under the root; by default the newest valid one is
         used, walking back past corrupt ones. With ``adopt_run`` this engine continues the
@@ -437,6 +440,7 @@ class CheckpointEngine:
             verify_s=time.monotonic() - start,
             trusted=trusted,
             per_rank_rules=per_rank_rules,
+            targets=targets,
         )
         self._ctx.resumed_from = info.name
         self._ctx.parent = info.name

@@ -1,6 +1,7 @@
 """The Lightning adapters: the only package that imports lightning.
 
-Importing it (``ElasticStrategy`` and ``DistributedCheckpoint`` do) also teaches Lightning,
+Importing it (our strategies and ``DistributedCheckpoint`` do) registers ``strategy="elastic"``
+and ``"elastic_fsdp"`` and teaches Lightning,
 once per process, to read our checkpoint directories: ``LightningModule.load_from_checkpoint``
 and ``Trainer.fit/validate/test/predict(ckpt_path=DIR)`` consolidate them on the fly
 (:mod:`.loading`), and ``ckpt_path="last"/"best"`` refer to a ``DistributedCheckpoint``'s
@@ -10,10 +11,11 @@ checkpoints (:mod:`.aliases`). Anything else loads as Lightning loads it.
 from lightning_elastic.lightning.aliases import install_alias_parser
 from lightning_elastic.lightning.callback import DistributedCheckpoint
 from lightning_elastic.lightning.data import ElasticSampler
+from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
 from lightning_elastic.lightning.loading import install_checkpoint_loader
 from lightning_elastic.lightning.strategy import ElasticStrategy
 
 install_checkpoint_loader()
 install_alias_parser()
 
-__all__ = ["DistributedCheckpoint", "ElasticSampler", "ElasticStrategy"]
+__all__ = ["DistributedCheckpoint", "ElasticFSDPStrategy", "ElasticSampler", "ElasticStrategy"]

@@ -35,6 +35,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import (
     DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
     SingleDeviceStrategy,
 )
 
@@ -60,6 +63,7 @@ from lightning_elastic.core.policy.triggers import (
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
 from lightning_elastic.lightning.fork_safety import warn_forking_workers
+from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
@@ -500,9 +504,14 @@ class DistributedCheckpoint(Checkpoint):
 
 def _check_strategy(trainer: pl.Trainer) -> None:
     strategy = trainer.strategy
-    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+    supported = (ElasticFSDPStrategy, DDPStrategy, SingleDeviceStrategy)
+    if isinstance(strategy, supported) and not isinstance(strategy, DeepSpeedStrategy):
         return
+    hint = ""
+    if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
+        hint = " (for FSDP2, strategy='elastic_fsdp' is ModelParallelStrategy with our checkpoints)"
     raise ConfigError(
         f"DistributedCheckpoint does not support {type(strategy).__name__}: use "
-        "strategy='elastic' (ElasticStrategy), 'ddp', 'ddp_spawn' or a single device"
+        "strategy='elastic' (ElasticStrategy: DDP, optionally ZeRO-1), 'elastic_fsdp' "
+        f"(ElasticFSDPStrategy: FSDP2), 'ddp', 'ddp_spawn' or a single device{hint}"
     )

@@ -45,6 +45,7 @@ from lightning_elastic.lightning.metrics import (
     restore_metric_states,
 )
 from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
+from lightning_elastic.lightning.zero import named_to_positional
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -228,6 +229,9 @@ class ElasticSession:
         entries of Lightning's dict that differed between ranks come back per rank, or, at
         another world size, as :mod:`~lightning_elastic.lightning.per_rank` decides.
         """
+        # a sharded strategy (elastic_fsdp) says where its tensors go: DCP reads each rank's
+        # shards straight into its DTensors instead of every rank loading full tensors
+        targets_of = getattr(self.trainer.strategy, "checkpoint_targets", None)
         try:
             result = engine.load(
                 None,
@@ -236,6 +240,7 @@ class ElasticSession:
                 trusted=self.trusted,
                 per_rank_rules=per_rank_rules(self.trainer),
                 skip_named_runs=True,  # only reaches the search when name is None: auto-resume
+                targets=targets_of() if callable(targets_of) else None,
             )
         except CheckpointNotFoundError:
             if name is not None:
@@ -273,6 +278,14 @@ class ElasticSession:
         if fitting and engine is self.writer:
             # this job continues the run: from now on an older copy of it may not commit
             engine.take_over()
+        ours = hasattr(type(self.trainer.strategy), "_session")
+        if "optimizer_states" in checkpoint and not ours:
+            # a strategy of Lightning's own: name-keyed (ZeRO-1, FSDP) optimizer states made
+            # plain, for Optimizer.load_state_dict
+            checkpoint["optimizer_states"] = [
+                named_to_positional(s) if isinstance(s, Mapping) and s.get("sharded") else s
+                for s in checkpoint.get("optimizer_states") or []
+            ]
         elastic = checkpoint.pop(ELASTIC_KEY, None) or {}
         saved_world = int(elastic.get("world_size") or result.manifest.world_size)
         world = self.ensure_coordinator().world_size
@@ -379,10 +392,15 @@ class ElasticSession:
         trainer = self.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        # data-parallel ranks (with tensor parallelism, fewer than the world)
+        replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {
+            "num_replicas": trainer.world_size,
+            "rank": trainer.global_rank,
+        }
         dataloader, sampler = make_elastic(
             dataloader,
-            num_replicas=trainer.world_size,
-            rank=trainer.global_rank,
+            num_replicas=replicas["num_replicas"],
+            rank=replicas["rank"],
             global_batch_size=self.global_batch_size,
         )
         self.adopt_sampler(sampler)

@@ -48,12 +48,171 @@ from lightning_elastic.lightning._compat import optimizer_to_device, trainer_of,
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
 from lightning_elastic.lightning.session import ElasticSession
 
-__all__ = ["ElasticStrategy"]
+__all__ = ["ElasticCheckpointing", "ElasticStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class ElasticStrategy(DDPStrategy):
+class ElasticCheckpointing:
+    """What every strategy of ours adds to its Lightning base strategy (listed first among the
+    bases): checkpoints saved and loaded through the engine, resumable training dataloaders,
+    and the torchrun topology (devices and nodes from ``LOCAL_WORLD_SIZE``/``WORLD_SIZE``).
+    Subclasses call :meth:`_configure_checkpoints` from ``__init__``.
+    """
+
+    # set by the Lightning base strategy
+    lightning_module: Any
+    is_global_zero: bool
+    _parallel_devices: list[torch.device] | None
+    _num_nodes: int
+
+    def _configure_checkpoints(
+        self,
+        *,
+        checkpoint_timeout: timedelta | float | None,
+        verify: str,
+        global_batch_size: int | None,
+        storage_options: dict[str, Any] | None,
+        trusted: bool,
+    ) -> None:
+        """Check and keep the checkpoint options every strategy of ours takes."""
+        if global_batch_size is not None:
+            check_count(global_batch_size, "global_batch_size")
+        check_choice(verify, "verify", VERIFY_MODES)
+        check_bool(trusted, "trusted")
+        if checkpoint_timeout is not None:
+            check_seconds(checkpoint_timeout, "checkpoint_timeout")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
+        self.checkpoint_timeout = checkpoint_timeout
+        self.verify = verify
+        self.global_batch_size = global_batch_size
+        self.storage_options = dict(storage_options or {})
+        self.trusted = trusted
+
+    # ------------------------------------------------------------------ torchrun topology
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices of this node; under torchrun, one per local rank (``LOCAL_WORLD_SIZE``)."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        local = _torchrun("LOCAL_WORLD_SIZE")
+        if devices and local and len(devices) != local:
+            kind = devices[0].type
+            devices = [
+                torch.device(kind) if kind == "cpu" else torch.device(kind, i) for i in range(local)
+            ]
+        self._parallel_devices = devices
+
+    @property
+    def num_nodes(self) -> int:
+        """The number of nodes; under torchrun, ``WORLD_SIZE // LOCAL_WORLD_SIZE``."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        world, local = _torchrun("WORLD_SIZE"), _torchrun("LOCAL_WORLD_SIZE")
+        if world and local and world % local == 0:
+            num_nodes = world // local
+        self._num_nodes = num_nodes
+
+    # ------------------------------------------------------------------ setup and data
+
+    def setup(self, trainer: Any) -> None:
+        self._session(trainer).global_batch_size = self.global_batch_size
+        super().setup(trainer)  # type: ignore[misc]
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return dataloader
+        return self._session(trainer).process_train_dataloader(dataloader)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Every rank writes its share of ``checkpoint`` into the directory ``filepath``."""
+        trainer = self._trainer()
+        root, name = split_location(filepath)
+        session = self._session(trainer)
+        options = dict(storage_options) if isinstance(storage_options, dict) else {}
+        engine = session.engine(root, storage_options=options or session.storage_options)
+        handle = session.save(
+            engine,
+            reason="save_checkpoint",
+            name=name,
+            overwrite=True,
+            checkpoint=checkpoint,
+            blocking=True,
+        )
+        assert handle is not None
+        handle.result()
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Our checkpoint directory ``checkpoint_path`` loaded through the engine (verified,
+        resharded); any other path as Lightning loads it."""
+        trainer = self._trainer()
+        session = self._session(trainer)
+        if not is_elastic_checkpoint(checkpoint_path, session.storage_options):
+            loaded: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]
+                checkpoint_path, weights_only=weights_only
+            )
+            return loaded
+        root, name = split_location(checkpoint_path)
+        checkpoint = session.load(session.engine(root), name=name, verify=self.verify)
+        assert checkpoint is not None
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        options = self._session(self._trainer()).storage_options
+        if not is_elastic_checkpoint(filepath, options):
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
+            return
+        if self.is_global_zero:
+            from lightning_elastic.core.format.catalog import Catalog
+            from lightning_elastic.core.policy.housekeeping import delete_checkpoint
+            from lightning_elastic.core.storage.base import Storage
+
+            root, name = split_location(filepath)
+            storage = Storage(root, storage_options=options)
+            delete_checkpoint(storage, Catalog(storage), name)
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._session(trainer).on_train_batch_start()
+
+    def teardown(self) -> None:
+        session = getattr(self, "_lightning_elastic_session", None)
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            super().teardown()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _trainer(self) -> Any:
+        if self.lightning_module is None or trainer_of(self.lightning_module) is None:
+            raise ConfigError(f"{type(self).__name__} checkpoints need a Trainer that is set up")
+        return self.lightning_module.trainer
+
+    def _session(self, trainer: Any) -> ElasticSession:
+        return ElasticSession.of(trainer, one_timeout(checkpoint_timeout=self.checkpoint_timeout))
+
+
+class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
     """DDP with sharded, asynchronous, elastic checkpoints.
 
     Args:
@@ -108,22 +267,14 @@ class ElasticStrategy(DDPStrategy):
         storage_options: dict[str, Any] | None = None,
         trusted: bool = False,
     ) -> None:
-        if global_batch_size is not None:
-            check_count(global_batch_size, "global_batch_size")
-        check_choice(verify, "verify", VERIFY_MODES)
         check_choice(start_method, "start_method", ("popen", "spawn", "fork", "forkserver"))
         for name, flag in (
             ("find_unused_parameters", find_unused_parameters),
             ("static_graph", static_graph),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("shard_optimizer_state", shard_optimizer_state),
-            ("trusted", trusted),
         ):
             check_bool(flag, name)
-        if checkpoint_timeout is not None:
-            check_seconds(checkpoint_timeout, "checkpoint_timeout")
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -137,47 +288,16 @@ class ElasticStrategy(DDPStrategy):
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
-        self.checkpoint_timeout = checkpoint_timeout
-        self.verify = verify
+        self._configure_checkpoints(
+            checkpoint_timeout=checkpoint_timeout,
+            verify=verify,
+            global_batch_size=global_batch_size,
+            storage_options=storage_options,
+            trusted=trusted,
+        )
         self.shard_optimizer_state = shard_optimizer_state
-        self.global_batch_size = global_batch_size
-        self.storage_options = dict(storage_options or {})
-        self.trusted = trusted
 
-    # ------------------------------------------------------------------ torchrun topology
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The devices of this node; under torchrun, one per local rank (``LOCAL_WORLD_SIZE``)."""
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        local = _torchrun("LOCAL_WORLD_SIZE")
-        if devices and local and len(devices) != local:
-            kind = devices[0].type
-            devices = [
-                torch.device(kind) if kind == "cpu" else torch.device(kind, i) for i in range(local)
-            ]
-        self._parallel_devices = devices
-
-    @property
-    def num_nodes(self) -> int:
-        """The number of nodes; under torchrun, ``WORLD_SIZE // LOCAL_WORLD_SIZE``."""
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        world, local = _torchrun("WORLD_SIZE"), _torchrun("LOCAL_WORLD_SIZE")
-        if world and local and world % local == 0:
-            num_nodes = world // local
-        self._num_nodes = num_nodes
-
-    # ------------------------------------------------------------------ setup
-
-    def setup(self, trainer: Any) -> None:
-        self._session(trainer).global_batch_size = self.global_batch_size
-        super().setup(trainer)
+    # ------------------------------------------------------------------ optimizers
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
@@ -208,91 +328,6 @@ class ElasticStrategy(DDPStrategy):
     def _param_names(self) -> dict[torch.Tensor, str]:
         assert self.lightning_module is not None
         return {param: name for name, param in self.lightning_module.named_parameters()}
-
-    # ------------------------------------------------------------------ data
-
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None:
-            return dataloader
-        return self._session(trainer).process_train_dataloader(dataloader)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """Every rank writes its share of ``checkpoint`` into the directory ``filepath``."""
-        trainer = self._trainer()
-        root, name = split_location(filepath)
-        session = self._session(trainer)
-        options = dict(storage_options) if isinstance(storage_options, dict) else {}
-        engine = session.engine(root, storage_options=options or session.storage_options)
-        handle = session.save(
-            engine,
-            reason="save_checkpoint",
-            name=name,
-            overwrite=True,
-            checkpoint=checkpoint,
-            blocking=True,
-        )
-        assert handle is not None
-        handle.result()
-
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Our checkpoint directory ``checkpoint_path`` loaded through the engine (verified,
-        resharded); any other path as Lightning loads it."""
-        trainer = self._trainer()
-        session = self._session(trainer)
-        if not is_elastic_checkpoint(checkpoint_path, session.storage_options):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        root, name = split_location(checkpoint_path)
-        checkpoint = session.load(session.engine(root), name=name, verify=self.verify)
-        assert checkpoint is not None
-        return checkpoint
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        options = self._session(self._trainer()).storage_options
-        if not is_elastic_checkpoint(filepath, options):
-            super().remove_checkpoint(filepath)
-            return
-        if self.is_global_zero:
-            from lightning_elastic.core.format.catalog import Catalog
-            from lightning_elastic.core.policy.housekeeping import delete_checkpoint
-            from lightning_elastic.core.storage.base import Storage
-
-            root, name = split_location(filepath)
-            storage = Storage(root, storage_options=options)
-            delete_checkpoint(storage, Catalog(storage), name)
-
-    # ------------------------------------------------------------------ hooks
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
-            self._session(trainer).on_train_batch_start()
-
-    def teardown(self) -> None:
-        session = getattr(self, "_lightning_elastic_session", None)
-        try:
-            if session is not None:
-                session.close()
-        finally:
-            super().teardown()
-
-    # ------------------------------------------------------------------ helpers
-
-    def _trainer(self) -> Any:
-        if self.lightning_module is None or trainer_of(self.lightning_module) is None:
-            raise ConfigError("ElasticStrategy checkpoints need a Trainer that is set up")
-        return self.lightning_module.trainer
-
-    def _session(self, trainer: Any) -> ElasticSession:
-        return ElasticSession.of(trainer, one_timeout(checkpoint_timeout=self.checkpoint_timeout))
 
 
 def _torchrun(name: str) -> int | None:

@@ -17,7 +17,7 @@ import io
 import logging
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ from lightning_elastic.errors import (
 __all__ = [
     "RANK_LOCAL_KEY",
     "LoadResult",
+    "Targets",
     "load_checkpoint",
     "read_full_state",
     "read_into",
@@ -64,6 +65,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 RANK_LOCAL_KEY = "__rank_local__"
+# Where a tensor of the whole-checkpoint load lands: called with the leaf's path, the saved
+# global shape and dtype; a tensor (a DTensor of the current layout, say) to load into, or
+# None for a new plain tensor of the saved shape
+Targets = Callable[[tuple[str | int, ...], torch.Size, torch.dtype], "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -90,10 +95,12 @@ def load_checkpoint(
     verify_s: float = 0.0,
     trusted: bool = False,
     per_rank_rules: Sequence[PerRankRule] = (),
+    targets: Targets | None = None,
 ) -> LoadResult:
     """Load ``info`` into ``state`` in place (DCP semantics), or, with ``state=None``, the
     whole checkpoint into a fresh nested dict (``LoadResult.state``); plus this rank's
-    rank-local state.
+    rank-local state. With ``state=None``, ``targets`` may supply the tensor each saved
+    tensor is loaded into (DCP reshards into it: a sharded model loads only its own shards).
 
     Entries that were saved per rank (:mod:`~lightning_elastic.core.save.replicated`) get
     this rank's own value at the saved world size; at another one ``per_rank_rules`` decide,
@@ -112,7 +119,7 @@ def load_checkpoint(
     metadata, skeleton = read_checkpoint_metadata(ckpt)
     reader = ShardReader(ckpt, metadata)
     if state is None:
-        state = _template(metadata, skeleton, ()) or {}
+        state = _template(metadata, skeleton, (), targets) or {}
         state.pop(RANK_LOCAL_KEY, None)
         strict = True
     if state:
@@ -310,15 +317,24 @@ def _dcp_load(
         state[key] = keyed[str(key)]
 
 
-def _template(metadata: Metadata, skeleton: Skeleton, prefix: tuple[str, ...]) -> Any:
+def _template(
+    metadata: Metadata,
+    skeleton: Skeleton,
+    prefix: tuple[str, ...],
+    targets: Targets | None = None,
+) -> Any:
     """An empty nested state shaped like what was saved under ``prefix`` (tensors allocated,
-    objects ``None``), for DCP to load into; ``None`` when nothing was saved there."""
+    or taken from ``targets``; objects ``None``), for DCP to load into; ``None`` when nothing
+    was saved there."""
     leaves = {tuple(path): fqn for fqn, path in (metadata.planner_data or {}).items()}
 
     def leaf(path: tuple[str | int, ...]) -> Any:
         fqn = leaves.get(path)
         md = metadata.state_dict_metadata.get(fqn) if fqn is not None else None
         if isinstance(md, TensorStorageMetadata):
+            target = None if targets is None else targets(path, md.size, md.properties.dtype)
+            if target is not None:
+                return target
             return torch.empty(md.size, dtype=md.properties.dtype)
         return None
 

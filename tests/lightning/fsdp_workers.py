@@ -1,0 +1,144 @@
+"""Rank functions for the FSDP2 (``elastic_fsdp``) tests: the tiny model sharded with
+``fully_shard``, and full snapshots of its parameters and optimizer states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_elastic import DistributedCheckpoint, ElasticFSDPStrategy, ElasticStrategy
+from tests.lightning.models import TinyModule, make_trainer
+
+_FULL = StateDictOptions(full_state_dict=True)  # on every rank
+
+
+class ShardedModule(TinyModule):
+    """``TinyModule`` with its layers sharded by FSDP2 in ``configure_model``; optionally
+    bf16 compute (fp32 reduction), a frozen first layer, or unsharded (plain DDP use)."""
+
+    def __init__(self, *args: Any, mixed: bool = False, frozen: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.save_hyperparameters()
+        if frozen:
+            self.net[0].requires_grad_(False)
+
+    def configure_model(self) -> None:
+        if getattr(self, "_device_mesh", None) is None:
+            return  # not under a model-parallel strategy: a plain module
+        mesh = self.device_mesh["data_parallel"]
+        policy = (
+            MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+            if self.hparams.mixed
+            else MixedPrecisionPolicy()
+        )
+        for layer in (self.net[0], self.net[3]):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(self.net, mesh=mesh, mp_policy=policy)
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=self.hparams.lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _full(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    return value
+
+
+def snapshot(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
+    """Every parameter and optimizer state as full tensors, keyed by name (collective under
+    FSDP), and what each rank holds of them."""
+    optimizer = trainer.optimizers[0]
+    sharded = isinstance(next(module.parameters()), DTensor)
+    if sharded:
+        model = get_model_state_dict(module, options=_FULL)
+        optim = get_optimizer_state_dict(module, optimizer, options=_FULL)["state"]
+        local = sum(p.to_local().numel() for p in module.parameters())
+    else:
+        names = {p: n for n, p in module.named_parameters()}
+        model = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        optim = {names[p]: _full(s) for p, s in optimizer.state.items()}
+        local = sum(p.numel() for p in module.parameters())
+    params = {k: v for k, v in model.items() if k.startswith("net.")}
+    return {
+        "params": params,
+        "optim": {k: {n: _full(t) for n, t in s.items()} for k, s in optim.items()},
+        "local_numel": local,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def fsdp_fit(
+    root: str,
+    max_steps: int,
+    *,
+    kill_at: int = -1,
+    every: int = 4,
+    strategy: str = "elastic_fsdp",
+    global_batch_size: int | None = None,
+    mixed: bool = False,
+    frozen: bool = False,
+    shard: bool = False,
+    n: int = 96,
+    batch_size: int = 4,
+    dropout: float = 0.3,
+    async_save: bool = True,
+) -> dict[str, Any]:
+    """Fit ``ShardedModule`` under ``strategy`` (``"elastic_fsdp"``, ``"elastic"``, or
+    ``"single"``: one device) with a ``DistributedCheckpoint`` every ``every`` steps, resuming
+    from the newest checkpoint of ``root``."""
+    pl.seed_everything(7, verbose=False)
+    model = ShardedModule(
+        n=n,
+        batch_size=batch_size,
+        kill_at=kill_at,
+        dropout=dropout,
+        hidden=30,
+        mixed=mixed,
+        frozen=frozen,
+    )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    chosen: Any
+    if strategy == "elastic_fsdp":
+        chosen = ElasticFSDPStrategy(global_batch_size=global_batch_size)
+    elif strategy == "elastic":
+        chosen = ElasticStrategy(shard_optimizer_state=shard, global_batch_size=global_batch_size)
+    else:
+        chosen = "auto"
+    checkpoint = DistributedCheckpoint(
+        f"{root}/ckpts", every_n_train_steps=every, save_on_train_end=False, async_save=async_save
+    )
+    trainer = make_trainer(
+        root,
+        max_steps=max_steps,
+        strategy=chosen,
+        devices=world if strategy != "single" else 1,
+        callbacks=[checkpoint],
+    )
+    trainer.fit(model)
+    return {
+        "losses": model.losses,
+        "global_losses": model.global_losses,
+        "seen": model.seen,
+        "global_step": trainer.global_step,
+        "resumed_from": trainer.ckpt_path,
+        **snapshot(trainer, model),
+    }
