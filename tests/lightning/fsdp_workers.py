@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from lightning_elastic import DistributedCheckpoint, ElasticFSDPStrategy, ElasticStrategy
@@ -75,13 +76,18 @@ def snapshot(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
     else:
         names = {p: n for n, p in module.named_parameters()}
         model = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        optim = {names[p]: _full(s) for p, s in optimizer.state.items()}
+        local_optim = (
+            optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        )
+        # ZeRO: this rank's partition only (the union over the ranks is the whole state)
+        optim = {names[p]: _full(s) for p, s in local_optim.state.items()}
         local = sum(p.numel() for p in module.parameters())
     params = {k: v for k, v in model.items() if k.startswith("net.")}
     return {
         "params": params,
         "optim": {k: {n: _full(t) for n, t in s.items()} for k, s in optim.items()},
         "local_numel": local,
+        "partitioned": isinstance(optimizer, ZeroRedundancyOptimizer),
         "lr": optimizer.param_groups[0]["lr"],
     }
 

@@ -82,7 +82,9 @@ def test_lightning_cli_fit_kill_fit_again(tmp_path, capsys) -> None:
     assert f"dirpath: {ckpts}" in capsys.readouterr().out
 
 
-def test_torchrun_with_devices_auto(tmp_path) -> None:
+@pytest.mark.parametrize("strategy", ["elastic", "elastic_fsdp"])
+def test_torchrun_with_devices_auto(tmp_path, strategy) -> None:
+    sharded = ["--sharded"] if strategy == "elastic_fsdp" else []
     cmd = [
         sys.executable,
         "-m",
@@ -95,6 +97,9 @@ def test_torchrun_with_devices_auto(tmp_path) -> None:
         str(tmp_path),
         "--devices",
         "auto",
+        "--strategy",
+        strategy,
+        *sharded,
         "--max-steps",
         "7",
     ]
@@ -104,6 +109,19 @@ def test_torchrun_with_devices_auto(tmp_path) -> None:
     assert manifest(tmp_path / "ckpts" / "step_000000007")["world_size"] == 2
     proc = run([*cmd[:-1], "9"], cwd=tmp_path)  # restart: resumes from step 7
     assert result_line(proc)["resumed_from"].endswith("step_000000007")
+
+
+def test_elastic_fsdp_under_lightnings_launcher(tmp_path) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--strategy", "elastic_fsdp"]
+    cmd += ["--sharded", "--max-steps", "6"]
+    proc = run(cmd, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert result_line(proc) == {"global_step": 6, "world": 2, "resumed_from": None}
+    proc = run([*cmd[:-1], "8"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert result_line(proc)["resumed_from"].endswith("step_000000006")
+    body = manifest(tmp_path / "ckpts" / "step_000000008")
+    assert body["resumed_from"] == "step_000000006" and body["world_size"] == 2
 
 
 def test_ddp_spawn(tmp_path) -> None:

@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import lightning.pytorch as pl
 
 from lightning_elastic import DistributedCheckpoint
+from tests.lightning.fsdp_workers import ShardedModule
 from tests.lightning.models import TinyModule, make_trainer
 
 
@@ -19,6 +20,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="elastic")
     parser.add_argument("--devices", default="2")
     parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--sharded", action="store_true", help="FSDP2 model (elastic_fsdp)")
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
     devices = args.devices if args.devices == "auto" else int(args.devices)
@@ -30,7 +32,7 @@ def main() -> None:
         devices=devices,
         callbacks=[checkpoint],
     )
-    model = TinyModule()
+    model = ShardedModule() if args.sharded else TinyModule()
     trainer.fit(model)
     if trainer.is_global_zero:
         print(

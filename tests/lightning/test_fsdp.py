@@ -1,0 +1,152 @@
+"""``elastic_fsdp``: FSDP2 checkpoints saved sharded, resharded N -> M bitwise, converted to and
+from the DDP layouts, resumed exactly after a SIGKILL."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_elastic.testing.spawn import run_distributed
+from tests.lightning import fsdp_workers as w
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def assert_same_state(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+    """Every parameter (on every rank) and optimizer state bitwise equal: full tensors by
+    name; a ZeRO optimizer's state is the union of the ranks' partitions."""
+    for r in after:
+        assert set(r["params"]) == set(before[0]["params"])
+        for name, tensor in before[0]["params"].items():
+            assert torch.equal(r["params"][name], tensor), name
+        assert r["lr"] == before[0]["lr"]
+    expected, got = whole_optimizer_state(before), whole_optimizer_state(after)
+    assert set(got) == set(expected)
+    for name, states in expected.items():
+        assert set(got[name]) == set(states), name
+        for key, tensor in states.items():
+            assert torch.equal(got[name][key], tensor), (name, key)
+
+
+def whole_optimizer_state(results: list[dict[str, Any]]) -> dict[str, Any]:
+    whole: dict[str, Any] = {}
+    for r in results:
+        if not r["partitioned"]:  # every rank holds (a view of) the whole state
+            assert not whole or set(r["optim"]) == set(whole)
+        whole.update(r["optim"])
+    return whole
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(world, strategy, **kw)``: a run of 6 steps checkpointed at step 6 (made once
+    per module), as (checkpoint directory, rank results)."""
+    cache: dict[tuple, tuple[Path, list]] = {}
+
+    def get(world: int, strategy: str = "elastic_fsdp", **kw: Any) -> tuple[Path, list]:
+        key = (world, strategy, tuple(sorted(kw.items())))
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"{strategy}{world}")
+            results = run_distributed(
+                w.fsdp_fit, world, str(root), 6, every=6, strategy=strategy, **kw
+            )
+            cache[key] = (root / "ckpts", results)
+        return cache[key]
+
+    return get
+
+
+def resume(tmp_path: Path, source: Path, world: int, **kw: Any) -> list:
+    """Resume a copy of the checkpoints of ``source`` at ``world`` ranks (no further step)."""
+    shutil.copytree(source, tmp_path / "ckpts")
+    results = run_distributed(w.fsdp_fit, world, str(tmp_path), 6, every=6, **kw)
+    assert results[0]["resumed_from"].endswith("step_000000006")
+    return results
+
+
+@pytest.mark.parametrize(("saved_world", "loaded_world"), [(2, 1), (2, 3), (2, 4), (3, 2)])
+def test_reshards_bitwise(tmp_path, saved, saved_world, loaded_world) -> None:
+    source, before = saved(saved_world)
+    total = sum(t.numel() for t in before[0]["params"].values())
+    # sharded, not replicated: the ranks' shards add up to the model once
+    assert sum(r["local_numel"] for r in before) == total
+    after = resume(tmp_path, source, loaded_world)
+    assert sum(r["local_numel"] for r in after) == total
+    assert_same_state(before, after)
+
+
+def test_each_rank_writes_only_its_shards(saved) -> None:
+    from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
+    from lightning_elastic.core.storage.base import Storage
+
+    source, _ = saved(2)
+    metadata, _ = read_checkpoint_metadata(Storage(str(source / "step_000000006")))
+    tensors = metadata.state_dict_metadata
+    # a parameter and its Adam moment: one chunk per rank (rows 0-14 and 15-29), not gathered
+    for fqn in ("state_dict.net.0.weight", "optimizer_states.0.state.net.0.weight.exp_avg"):
+        chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in tensors[fqn].chunks)
+        assert chunks == [((0, 0), (15, 8)), ((15, 0), (15, 8))], fqn
+    # replicated state is written once: the step count is one chunk of the whole tensor
+    assert len(tensors["optimizer_states.0.state.net.0.weight.step"].chunks) == 1
+
+
+@pytest.mark.parametrize(("first", "second"), [(2, 1), (2, 3), (3, 2)])
+def test_training_continues_on_the_same_trajectory(tmp_path, first, second) -> None:
+    kw = {"global_batch_size": 12, "dropout": 0.0}
+    reference = run_distributed(w.fsdp_fit, 2, str(tmp_path / "ref"), 12, every=100, **kw)
+    root = str(tmp_path / "run")
+    run_distributed(w.fsdp_fit, first, root, 6, every=6, **kw)
+    resumed = run_distributed(w.fsdp_fit, second, root, 12, every=100, **kw)
+    assert resumed[0]["resumed_from"].endswith("step_000000006")
+    ref = dict(reference[0]["global_losses"])
+    got = dict(resumed[0]["global_losses"] if second > 1 else resumed[0]["losses"])
+    assert sorted(got) == list(range(6, 12))
+    for step, value in got.items():
+        assert value == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_sigkill_mid_epoch_resumes_bitwise(tmp_path) -> None:
+    reference = run_distributed(w.fsdp_fit, 2, str(tmp_path / "ref"), 12, every=100)
+    root = str(tmp_path / "run")
+    # checkpoints every 4 steps (asynchronous); every rank dies at step 9 (step 8 committed)
+    run_distributed(w.fsdp_fit, 2, root, 12, every=4, kill_at=9, may_die={0, 1})
+    resumed = run_distributed(w.fsdp_fit, 2, root, 12, every=4)
+    assert resumed[0]["resumed_from"].endswith("step_000000008")
+    for rank in range(2):
+        ref = dict(reference[rank]["losses"])
+        got = dict(resumed[rank]["losses"])
+        assert sorted(got) == [8, 9, 10, 11]
+        assert all(got[step] == ref[step] for step in got), rank  # bitwise
+    assert_same_state(reference, resumed)
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        (("elastic", 2, {}), ("elastic_fsdp", 2, {})),
+        (("elastic", 2, {"shard": True}), ("elastic_fsdp", 3, {})),
+        (("elastic_fsdp", 2, {}), ("elastic", 3, {})),
+        (("elastic_fsdp", 3, {}), ("elastic", 2, {"shard": True})),
+        (("elastic_fsdp", 2, {}), ("single", 1, {})),
+    ],
+    ids=["ddp-fsdp", "zero-fsdp3", "fsdp-ddp3", "fsdp3-zero", "fsdp-single"],
+)
+def test_layout_conversion(tmp_path, saved, source, target) -> None:
+    strategy, world, kw = source
+    checkpoints, before = saved(world, strategy, **kw)
+    strategy, world, kw = target
+    after = resume(tmp_path, checkpoints, world, strategy=strategy, **kw)
+    assert_same_state(before, after)
+
+
+def test_mixed_precision_and_frozen_parameters(tmp_path, saved) -> None:
+    source, before = saved(2, mixed=True, frozen=True)
+    # optimizer state only for the trainable layer; the frozen one never moved
+    assert set(before[0]["optim"]) == {"net.3.weight", "net.3.bias"}
+    after = resume(tmp_path, source, 3, mixed=True, frozen=True)
+    assert_same_state(before, after)
+    assert after[0]["params"]["net.0.weight"].dtype == torch.float32  # sharded params: fp32
