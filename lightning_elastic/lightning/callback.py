@@ -511,7 +511,7 @@ def _check_strategy(trainer: pl.Trainer) -> None:
     if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
         hint = " (for FSDP2, strategy='elastic_fsdp' is ModelParallelStrategy with our checkpoints)"
     raise ConfigError(
-        f"DistributedCheckpoint does not support {type(strategy).__name__}: use "
+        f"DistributedCheckpoint does not support {strategy.__class__.__name__}: use "
         "strategy='elastic' (ElasticStrategy: DDP, optionally ZeRO-1), 'elastic_fsdp' "
         f"(ElasticFSDPStrategy: FSDP2), 'ddp', 'ddp_spawn' or a single device{hint}"
     )

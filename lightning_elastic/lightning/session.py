@@ -30,6 +30,7 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.elastic import rng
 from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
+from lightning_elastic.core.format.optimizer_state import is_named, named_to_positional
 from lightning_elastic.core.load.load import LoadResult, read_rank_states
 from lightning_elastic.errors import (
     CheckpointMismatchError,
@@ -45,7 +46,6 @@ from lightning_elastic.lightning.metrics import (
     restore_metric_states,
 )
 from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
-from lightning_elastic.lightning.zero import named_to_positional
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -283,7 +283,7 @@ class ElasticSession:
             # a strategy of Lightning's own: name-keyed (ZeRO-1, FSDP) optimizer states made
             # plain, for Optimizer.load_state_dict
             checkpoint["optimizer_states"] = [
-                named_to_positional(s) if isinstance(s, Mapping) and s.get("sharded") else s
+                named_to_positional(s) if is_named(s) else s
                 for s in checkpoint.get("optimizer_states") or []
             ]
         elastic = checkpoint.pop(ELASTIC_KEY, None) or {}

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_elastic.core.format.optimizer_state import by_position
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import track_scheduler_steps
 
@@ -37,7 +38,6 @@ __all__ = [
     "as_named",
     "constructor_arguments",
     "load_optimizer",
-    "named_to_positional",
     "optimizer_state",
     "repoint_scheduler",
     "shard",
@@ -214,17 +214,6 @@ def as_named(
     return _plain_to_named(saved, groups, names)
 
 
-def named_to_positional(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """The name-keyed form -> a plain ``Optimizer.state_dict()``, positions numbered in the
-    saved groups' order (the order of the optimizer it was taken from, which is the order a
-    plain optimizer of the same model and groups has)."""
-    position: dict[str, int] = {}
-    for group in saved["param_groups"]:
-        for name in group["params"]:
-            position.setdefault(name, len(position))
-    return _by_position(saved, position)
-
-
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
@@ -277,20 +266,4 @@ def _named_to_plain(
 ) -> dict[str, Any]:
     """The name-keyed form -> a plain state dict for the current (unsharded) optimizer."""
     position = {names[p]: i for i, p in enumerate(p for group in groups for p in group["params"])}
-    return _by_position(saved, position)
-
-
-def _by_position(saved: Mapping[str, Any], position: Mapping[str, int]) -> dict[str, Any]:
-    """The name-keyed form with every name replaced by its ``position``."""
-    return {
-        "state": {
-            position[name]: dict(v) for name, v in saved["state"].items() if name in position
-        },
-        "param_groups": [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [position[n] for n in g["params"]],
-            }
-            for g in saved["param_groups"]
-        ],
-    }
+    return by_position(saved, position)

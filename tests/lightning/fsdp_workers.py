@@ -107,6 +107,7 @@ def fsdp_fit(
     batch_size: int = 4,
     dropout: float = 0.3,
     async_save: bool = True,
+    ckpt_path: str | None = None,
 ) -> dict[str, Any]:
     """Fit ``ShardedModule`` under ``strategy`` (``"elastic_fsdp"``, ``"elastic"``, or
     ``"single"``: one device) with a ``DistributedCheckpoint`` every ``every`` steps, resuming
@@ -139,7 +140,7 @@ def fsdp_fit(
         devices=world if strategy != "single" else 1,
         callbacks=[checkpoint],
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return {
         "losses": model.losses,
         "global_losses": model.global_losses,

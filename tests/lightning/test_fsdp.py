@@ -150,3 +150,23 @@ def test_mixed_precision_and_frozen_parameters(tmp_path, saved) -> None:
     after = resume(tmp_path, source, 3, mixed=True, frozen=True)
     assert_same_state(before, after)
     assert after[0]["params"]["net.0.weight"].dtype == torch.float32  # sharded params: fp32
+
+
+def test_consolidate_to_one_file_loads_anywhere(tmp_path, saved) -> None:
+    from lightning_elastic.cli import main as cli_main
+
+    source, before = saved(3)
+    target = tmp_path / "model.ckpt"
+    assert cli_main(["consolidate", str(source / "step_000000006"), str(target)]) == 0
+    checkpoint = torch.load(target, weights_only=False)
+    optimizer = checkpoint["optimizer_states"][0]
+    assert "sharded" not in optimizer and sorted(optimizer["state"]) == [0, 1, 2, 3]
+    # the LightningModule loads it as a plain module (no FSDP)
+    module = w.ShardedModule.load_from_checkpoint(target)
+    for name, tensor in before[0]["params"].items():
+        assert torch.equal(module.state_dict()[name], tensor), name
+    # and Lightning's own single-device fit resumes from it with the optimizer state
+    after = run_distributed(
+        w.fsdp_fit, 1, str(tmp_path / "run"), 6, strategy="single", ckpt_path=str(target)
+    )
+    assert_same_state(before, after)

@@ -157,17 +157,38 @@ def test_options_are_validated(kwargs, match) -> None:
         DistributedCheckpoint("/tmp/x", **kwargs)
 
 
-def test_unsupported_strategy_fails_at_setup() -> None:
+@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"])
+def test_unsupported_strategy_fails_at_setup(name) -> None:
     from types import SimpleNamespace
     from unittest.mock import MagicMock
 
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch import strategies
 
     from lightning_elastic.lightning.callback import _check_strategy
 
-    trainer = SimpleNamespace(strategy=MagicMock(spec=FSDPStrategy))
-    with pytest.raises(ConfigError, match="strategy='elastic'"):
+    # DeepSpeedStrategy is a DDPStrategy: refused all the same
+    trainer = SimpleNamespace(strategy=MagicMock(spec=getattr(strategies, name)))
+    with pytest.raises(ConfigError, match=r"'elastic'.*'elastic_fsdp'") as raised:
         _check_strategy(trainer)  # type: ignore[arg-type]
+    assert name in str(raised.value)
+
+
+def test_fsdp_strategy_options_are_validated() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_elastic import ElasticFSDPStrategy
+
+    for kwargs, match in [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"data_parallel_size": "all"}, "data_parallel_size"),
+        ({"verify": "sometimes"}, "verify"),
+        ({"global_batch_size": -4}, "global_batch_size"),
+        ({"storage_options": "key=x"}, "storage_options"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            ElasticFSDPStrategy(**kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="elastic_fsdp", logger=False)
+    assert isinstance(trainer.strategy, ElasticFSDPStrategy)
 
 
 def test_corrupt_warning_type_is_public() -> None:

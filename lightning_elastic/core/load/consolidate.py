@@ -27,6 +27,7 @@ from lightning_elastic.core.format.catalog import (
     split_location,
 )
 from lightning_elastic.core.format.integrity import check_verify_mode, raise_first, verify_files
+from lightning_elastic.core.format.optimizer_state import is_named, named_to_positional
 from lightning_elastic.core.load.load import read_full_state
 from lightning_elastic.core.load.select import select_checkpoint
 from lightning_elastic.core.storage.base import Storage
@@ -72,6 +73,8 @@ def consolidate(
     ``lr_schedulers``, ``loops``, ``callbacks``, ``hyper_parameters``, ...) plus our
     ``"lightning_elastic"`` entry (the data position); for one of ``CheckpointEngine.save``
     the state that was saved, with its containers and key types. Tensors are on the CPU.
+    Sharded optimizer states (ZeRO-1, FSDP2: keyed by parameter name) become plain
+    ``Optimizer.state_dict()`` ones, as in a checkpoint of Lightning's.
 
     Args:
         src: a checkpoint directory (holds ``manifest.json``; local path or fsspec URL), or a
@@ -105,6 +108,10 @@ def consolidate(
         state = read_full_state(ckpt, include_rank_state=include_rank_state, trusted=trusted)
     finally:
         bar.close()
+    if isinstance(state.get("optimizer_states"), list):  # a Lightning checkpoint: plain ones
+        state["optimizer_states"] = [
+            named_to_positional(s) if is_named(s) else s for s in state["optimizer_states"]
+        ]
     if output is not None:
         _write(state, output, _bar(progress, "writing", None))
     return state
