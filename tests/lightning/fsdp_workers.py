@@ -35,6 +35,15 @@ class ShardedModule(TinyModule):
     def configure_model(self) -> None:
         if getattr(self, "_device_mesh", None) is None:
             return  # not under a model-parallel strategy: a plain module
+        if self.device_mesh["tensor_parallel"].size() > 1:  # 2-D: TP inside, FSDP across
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            plan = {"0": ColwiseParallel(), "3": RowwiseParallel()}
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
         mesh = self.device_mesh["data_parallel"]
         policy = (
             MixedPrecisionPolicy(
@@ -108,6 +117,7 @@ def fsdp_fit(
     dropout: float = 0.3,
     async_save: bool = True,
     ckpt_path: str | None = None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """Fit ``ShardedModule`` under ``strategy`` (``"elastic_fsdp"``, ``"elastic"``, or
     ``"single"``: one device) with a ``DistributedCheckpoint`` every ``every`` steps, resuming
@@ -125,7 +135,9 @@ def fsdp_fit(
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     chosen: Any
     if strategy == "elastic_fsdp":
-        chosen = ElasticFSDPStrategy(global_batch_size=global_batch_size)
+        chosen = ElasticFSDPStrategy(
+            tensor_parallel_size=tensor_parallel, global_batch_size=global_batch_size
+        )
     elif strategy == "elastic":
         chosen = ElasticStrategy(shard_optimizer_state=shard, global_batch_size=global_batch_size)
     else:

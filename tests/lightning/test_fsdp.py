@@ -170,3 +170,15 @@ def test_consolidate_to_one_file_loads_anywhere(tmp_path, saved) -> None:
         w.fsdp_fit, 1, str(tmp_path / "run"), 6, strategy="single", ckpt_path=str(target)
     )
     assert_same_state(before, after)
+
+
+def test_tensor_parallel_x_fsdp_resumes_as_fsdp_only(tmp_path) -> None:
+    # 2-D mesh: 2 data-parallel groups x 2 tensor-parallel ranks (ColwiseParallel, then
+    # RowwiseParallel), each layer also sharded by FSDP across the data-parallel groups
+    root = str(tmp_path)
+    before = run_distributed(w.fsdp_fit, 4, root, 6, every=6, tensor_parallel=2)
+    # the ranks of one tensor-parallel group train on the same samples
+    assert before[0]["seen"] == before[1]["seen"] != before[2]["seen"] == before[3]["seen"]
+    after = run_distributed(w.fsdp_fit, 2, root, 6, every=6)
+    assert after[0]["resumed_from"].endswith("step_000000006")
+    assert_same_state(before, after)
