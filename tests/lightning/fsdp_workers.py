@@ -118,6 +118,7 @@ def fsdp_fit(
     async_save: bool = True,
     ckpt_path: str | None = None,
     tensor_parallel: int = 1,
+    signal_at: int = -1,
 ) -> dict[str, Any]:
     """Fit ``ShardedModule`` under ``strategy`` (``"elastic_fsdp"``, ``"elastic"``, or
     ``"single"``: one device) with a ``DistributedCheckpoint`` every ``every`` steps, resuming
@@ -131,6 +132,8 @@ def fsdp_fit(
         hidden=30,
         mixed=mixed,
         frozen=frozen,
+        signal_at=signal_at,
+        signal_rank=1,
     )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     chosen: Any
@@ -152,7 +155,10 @@ def fsdp_fit(
         devices=world if strategy != "single" else 1,
         callbacks=[checkpoint],
     )
-    trainer.fit(model, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except SystemExit as exc:  # a signal: the agreed checkpoint was taken, every rank exits
+        return {"exit": exc.code, "global_step": trainer.global_step}
     return {
         "losses": model.losses,
         "global_losses": model.global_losses,
@@ -161,3 +167,35 @@ def fsdp_fit(
         "resumed_from": trainer.ckpt_path,
         **snapshot(trainer, model),
     }
+
+
+class EvaluatedModule(ShardedModule):
+    """``ShardedModule`` with a validation loop (the mean squared error over 32 samples)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _, x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        from tests.lightning.models import IdDataset
+
+        return DataLoader(IdDataset(32), batch_size=8)
+
+
+def fsdp_save_then_validate(root: str, saved: bool) -> dict[str, Any]:
+    """``saved=False``: fit 4 steps under ``elastic_fsdp`` and ``trainer.save_checkpoint`` to
+    ``root/manual``; ``saved=True``: validate that checkpoint (``ckpt_path``) under
+    ``elastic_fsdp`` at this world size, or on one device when the world is 1."""
+    pl.seed_everything(7, verbose=False)
+    model = EvaluatedModule(dropout=0.0, hidden=30)
+    world = torch.distributed.get_world_size()
+    strategy: Any = ElasticFSDPStrategy() if world > 1 or not saved else "auto"
+    trainer = make_trainer(root, max_steps=4, strategy=strategy, devices=world)
+    if not saved:
+        trainer.fit(model)
+        trainer.save_checkpoint(f"{root}/manual")
+        return {"params": snapshot(trainer, model)["params"]}
+    metrics = trainer.validate(model, ckpt_path=f"{root}/manual", verbose=False)
+    return {"val_loss": metrics[0]["val_loss"], "strategy": type(trainer.strategy).__name__}

@@ -161,10 +161,11 @@ def test_consolidate_to_one_file_loads_anywhere(tmp_path, saved) -> None:
     checkpoint = torch.load(target, weights_only=False)
     optimizer = checkpoint["optimizer_states"][0]
     assert "sharded" not in optimizer and sorted(optimizer["state"]) == [0, 1, 2, 3]
-    # the LightningModule loads it as a plain module (no FSDP)
-    module = w.ShardedModule.load_from_checkpoint(target)
-    for name, tensor in before[0]["params"].items():
-        assert torch.equal(module.state_dict()[name], tensor), name
+    # the LightningModule loads it, or the directory itself, as a plain module (no FSDP)
+    for path in (target, source / "step_000000006"):
+        module = w.ShardedModule.load_from_checkpoint(path)
+        for name, tensor in before[0]["params"].items():
+            assert torch.equal(module.state_dict()[name], tensor), (path, name)
     # and Lightning's own single-device fit resumes from it with the optimizer state
     after = run_distributed(
         w.fsdp_fit, 1, str(tmp_path / "run"), 6, strategy="single", ckpt_path=str(target)
@@ -182,3 +183,33 @@ def test_tensor_parallel_x_fsdp_resumes_as_fsdp_only(tmp_path) -> None:
     after = run_distributed(w.fsdp_fit, 2, root, 6, every=6)
     assert after[0]["resumed_from"].endswith("step_000000006")
     assert_same_state(before, after)
+
+
+def test_save_checkpoint_then_validate_sharded_and_on_one_device(tmp_path) -> None:
+    root = str(tmp_path)
+    trained = run_distributed(w.fsdp_save_then_validate, 2, root, False)[0]["params"]
+    sharded = run_distributed(w.fsdp_save_then_validate, 4, root, True)  # 8 samples each
+    single = run_distributed(w.fsdp_save_then_validate, 1, root, True)
+    assert sharded[0]["strategy"] == "ElasticFSDPStrategy"
+    assert single[0]["strategy"] == "SingleDeviceStrategy"
+    # both evaluated the saved weights: the loss computed here from them
+    from tests.lightning.models import IdDataset
+
+    module = w.ShardedModule(hidden=30, dropout=0.0)
+    module.load_state_dict(trained, strict=False)
+    data = IdDataset(32)
+    expected = torch.nn.functional.mse_loss(module.net(data.x), data.y).item()
+    assert sharded[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert single[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_sigterm_on_one_rank_checkpoints_the_shards_and_resumes(tmp_path) -> None:
+    import signal
+
+    root = str(tmp_path)
+    stopped = run_distributed(w.fsdp_fit, 2, root, 50, every=100, signal_at=5)
+    assert [r["exit"] for r in stopped] == [128 + signal.SIGTERM] * 2
+    assert {r["global_step"] for r in stopped} == {6}  # the same step boundary on both ranks
+    resumed = run_distributed(w.fsdp_fit, 2, root, 8, every=100)
+    assert resumed[0]["resumed_from"].endswith("step_000000006")
+    assert sorted(dict(resumed[0]["losses"])) == [6, 7]
