@@ -55,7 +55,105 @@ __all__ = ["ElasticSampler", "make_elastic", "sync_training_loop"]
 log = logging.getLogger(__name__)
 
 
-class ElasticSampler(Sampler[int]):
+class FollowsTheLoop:
+    """What an elastic data source (``ElasticSampler``, ``ElasticShardedIterable``) shares: it
+    knows the epoch, where the epoch (re)started (``_start``, a
+    :class:`~lightning_elastic.core.elastic.data_position.DataPosition`), and keeps the
+    trainer's loop counting its epochs. Subclasses set ``num_replicas``, ``batch_size``,
+    ``epoch``, ``_start``, ``_resumed`` and ``_trainer`` and define
+    :meth:`full_epoch_batches` and :meth:`position`."""
+
+    num_replicas: int
+    batch_size: int
+    epoch: int
+    _start: DataPosition
+    _resumed: DataPosition | None
+    _trainer: Callable[[], Any] | None
+
+    def full_epoch_batches(self) -> int:
+        """The batches of a fresh epoch at this world size (what the loop counts)."""
+        raise NotImplementedError
+
+    def position(self, batches_done: int) -> DataPosition:
+        """The position after ``batches_done`` per-rank batches of the current epoch."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """This rank's samples of the epoch, as the loop counts them."""
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at every epoch start; a new epoch starts from its beginning,
+        and a followed trainer's loop is recounted for it (see :meth:`follow`)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._start = DataPosition(epoch=epoch, consumed=0, world_size=self.num_replicas)
+            self._resumed = None
+            trainer = self._followed()
+            if trainer is not None:
+                sync_training_loop(trainer)
+
+    def resume(self, position: DataPosition) -> None:
+        """Continue ``position.epoch`` from ``position``.
+
+        ``position.batches`` is the loop's batch counter in the checkpoint. At an epoch start
+        (``consumed == 0``) the loop either starts that epoch at batch 0 (its counter reached
+        the epoch length it computes) or keeps counting from ``batches``; the source follows
+        the loop, so that both agree on where the epoch ends (:meth:`_settle`).
+        """
+        self.epoch = position.epoch
+        self._resumed = position
+        self._start = self._settle(position)
+
+    def follow(self, trainer: Any) -> None:
+        """Keep ``trainer``'s training loop counting this source's epochs: at every new
+        epoch, Lightning's ``num_training_batches``, the ``limit_train_batches`` cut-off and
+        the fractional ``val_check_interval`` are recomputed from the full epoch length.
+
+        Raises:
+            ConfigError: a whole number ``val_check_interval`` longer than an epoch at this
+                world size (Lightning refuses it for a fresh run; after a resume it would
+                silently never validate).
+        """
+        self._trainer = weakref.ref(trainer)
+        if self._resumed is not None:
+            self._start = self._settle(self._resumed)
+        interval = getattr(trainer, "val_check_interval", 1.0)
+        full = limit_train_batches(self.full_epoch_batches(), trainer.limit_train_batches)
+        if (
+            isinstance(interval, int)
+            and getattr(trainer, "check_val_every_n_epoch", None) is not None
+            and getattr(trainer, "limit_val_batches", 0) != 0
+            and interval > full
+        ):
+            raise ConfigError(
+                f"val_check_interval={interval} is more than the {full} training batches of an "
+                f"epoch at world size {self.num_replicas}: validation would never run; use a "
+                "smaller interval, a float, or check_val_every_n_epoch=None"
+            )
+
+    def _followed(self) -> Any:
+        return None if self._trainer is None else self._trainer()
+
+    def _settle(self, position: DataPosition) -> DataPosition:
+        """``position`` with ``batches`` as the loop will count them.
+
+        Mid-epoch, the loop continues from the checkpoint's counter. At an epoch start
+        reached by a checkpoint on the previous epoch's last batch, Lightning restarts its
+        counter only when it reached the epoch length computed from ``len(dataloader)``; a
+        smaller world size has longer epochs, and the loop then keeps counting from
+        ``batches`` instead, over a full epoch: the source reports that length too.
+        """
+        if position.consumed > 0 or position.batches <= 0:
+            return position
+        trainer = self._followed()
+        limit = 1.0 if trainer is None else trainer.limit_train_batches
+        if position.batches >= limit_train_batches(self.full_epoch_batches(), limit):
+            return dataclasses.replace(position, batches=0)
+        return position
+
+
+class ElasticSampler(FollowsTheLoop, Sampler[int]):
     """A ``DistributedSampler`` whose position in the epoch can be saved and resumed at any
     world size.
 
@@ -107,56 +205,6 @@ class ElasticSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices())
 
-    def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at every epoch start; a new epoch starts from its beginning,
-        and a followed trainer's loop is recounted for it (see :meth:`follow`)."""
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._start = DataPosition(epoch=epoch, consumed=0, world_size=self.num_replicas)
-            self._resumed = None
-            trainer = self._followed()
-            if trainer is not None:
-                sync_training_loop(trainer)
-
-    def resume(self, position: DataPosition) -> None:
-        """Continue ``position.epoch`` after ``position.consumed`` samples.
-
-        ``position.batches`` is the loop's batch counter in the checkpoint. At an epoch start
-        (``consumed == 0``) the loop either starts that epoch at batch 0 (its counter reached
-        the epoch length it computes) or keeps counting from ``batches``; the sampler follows
-        the loop, so that both agree on where the epoch ends (:meth:`_settle`).
-        """
-        self.epoch = position.epoch
-        self._resumed = position
-        self._start = self._settle(position)
-
-    def follow(self, trainer: Any) -> None:
-        """Keep ``trainer``'s training loop counting this sampler's epochs: at every new
-        epoch, Lightning's ``num_training_batches``, the ``limit_train_batches`` cut-off and
-        the fractional ``val_check_interval`` are recomputed from the full epoch length.
-
-        Raises:
-            ConfigError: a whole number ``val_check_interval`` longer than an epoch at this
-                world size (Lightning refuses it for a fresh run; after a resume it would
-                silently never validate).
-        """
-        self._trainer = weakref.ref(trainer)
-        if self._resumed is not None:
-            self._start = self._settle(self._resumed)
-        interval = getattr(trainer, "val_check_interval", 1.0)
-        full = limit_train_batches(self.full_epoch_batches(), trainer.limit_train_batches)
-        if (
-            isinstance(interval, int)
-            and getattr(trainer, "check_val_every_n_epoch", None) is not None
-            and getattr(trainer, "limit_val_batches", 0) != 0
-            and interval > full
-        ):
-            raise ConfigError(
-                f"val_check_interval={interval} is more than the {full} training batches of an "
-                f"epoch at world size {self.num_replicas}: validation would never run; use a "
-                "smaller interval, a float, or check_val_every_n_epoch=None"
-            )
-
     def full_epoch_batches(self) -> int:
         """The batches of a fresh epoch at this world size (what the loop counts)."""
         n, w = len(self.dataset), self.num_replicas
@@ -164,26 +212,6 @@ class ElasticSampler(Sampler[int]):
         return (
             per_rank // self.batch_size if self.drop_last_batch else -(-per_rank // self.batch_size)
         )
-
-    def _followed(self) -> Any:
-        return None if self._trainer is None else self._trainer()
-
-    def _settle(self, position: DataPosition) -> DataPosition:
-        """``position`` with ``batches`` as the loop will count them.
-
-        Mid-epoch, the loop continues from the checkpoint's counter. At an epoch start
-        reached by a checkpoint on the previous epoch's last batch, Lightning restarts its
-        counter only when it reached the epoch length computed from ``len(dataloader)``; a
-        smaller world size has longer epochs, and the loop then keeps counting from
-        ``batches`` instead, over a full epoch: the sampler reports that length too.
-        """
-        if position.consumed > 0 or position.batches <= 0:
-            return position
-        trainer = self._followed()
-        limit = 1.0 if trainer is None else trainer.limit_train_batches
-        if position.batches >= limit_train_batches(self.full_epoch_batches(), limit):
-            return dataclasses.replace(position, batches=0)
-        return position
 
     def position(self, batches_done: int) -> DataPosition:
         """The position after ``batches_done`` per-rank batches of the current epoch (each
@@ -232,16 +260,17 @@ def make_elastic(
     batch becomes ``global_batch_size / num_replicas``."""
     if not isinstance(dataloader, DataLoader):
         return dataloader, None
+    from lightning_elastic.lightning.streaming import ElasticShardedIterable
+
+    if isinstance(dataloader.dataset, ElasticShardedIterable):
+        return _sharded_iterable(
+            dataloader, dataloader.dataset, num_replicas, rank, global_batch_size
+        )
     sampler = dataloader.sampler
     if isinstance(sampler, ElasticSampler) and global_batch_size is None:
         return dataloader, sampler
     if global_batch_size is not None:
-        if global_batch_size % num_replicas:
-            raise WorldSizeError(
-                f"global_batch_size={global_batch_size} is not divisible by the world size "
-                f"{num_replicas}; choose a multiple of every world size you may run with "
-                "(e.g. a multiple of 6 for 1, 2 or 3 processes)"
-            )
+        _check_divisible(global_batch_size, num_replicas)
         if type(dataloader.batch_sampler) is not BatchSampler:
             raise ConfigError("global_batch_size needs a DataLoader built with batch_size=...")
     batch_size = dataloader.batch_size
@@ -277,6 +306,55 @@ def make_elastic(
     rebuilt.state_dict = dict
     rebuilt.load_state_dict = lambda state: None
     return rebuilt, elastic
+
+
+def _sharded_iterable(
+    dataloader: DataLoader[Any],
+    dataset: Any,
+    num_replicas: int,
+    rank: int,
+    global_batch_size: int | None,
+) -> tuple[Any, Any]:
+    """A DataLoader over an ``ElasticShardedIterable``: the dataset set up for this rank and
+    the loader's batch size and workers, Lightning's ``set_epoch`` routed to it."""
+    if dataloader.batch_size is None:
+        raise ConfigError("an ElasticShardedIterable needs a DataLoader built with batch_size=...")
+    if not getattr(dataloader, "in_order", True):
+        raise ConfigError(
+            "an ElasticShardedIterable needs DataLoader(in_order=True): its position is the "
+            "number of batches trained, taken from the workers in order"
+        )
+    batch_size = dataloader.batch_size
+    if global_batch_size is not None:
+        _check_divisible(global_batch_size, num_replicas)
+        if global_batch_size // num_replicas != batch_size:
+            batch_size = global_batch_size // num_replicas
+            try:
+                dataloader = reinstantiate_dataloader(dataloader, None, batch_size=batch_size)
+            except KeyError:
+                raise ConfigError(
+                    "cannot change the batch size of this DataLoader subclass"
+                ) from None
+    dataset.configure(
+        rank=rank,
+        num_replicas=num_replicas,
+        batch_size=batch_size,
+        workers=dataloader.num_workers,
+        drop_last_batch=bool(dataloader.drop_last),
+    )
+    dataloader.batch_sampler.sampler = dataset.epoch_signal()  # type: ignore[union-attr]
+    dataloader.state_dict = dict  # the position is ours
+    dataloader.load_state_dict = lambda state: None
+    return dataloader, dataset
+
+
+def _check_divisible(global_batch_size: int, num_replicas: int) -> None:
+    if global_batch_size % num_replicas:
+        raise WorldSizeError(
+            f"global_batch_size={global_batch_size} is not divisible by the world size "
+            f"{num_replicas}; choose a multiple of every world size you may run with "
+            "(e.g. a multiple of 6 for 1, 2 or 3 processes)"
+        )
 
 
 def _keeps_own_position(dataloader: DataLoader[Any], why: str) -> None:

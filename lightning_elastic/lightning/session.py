@@ -50,7 +50,7 @@ from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_elastic.lightning.data import ElasticSampler
+    from lightning_elastic.lightning.data import FollowsTheLoop
 
 __all__ = ["ELASTIC_KEY", "ElasticSession"]
 
@@ -67,7 +67,7 @@ class ElasticSession:
         self.timeout = timeout
         self.coordinator: Coordinator | None = None
         self.engines: dict[str, CheckpointEngine] = {}
-        self.sampler: ElasticSampler | None = None
+        self.sampler: FollowsTheLoop | None = None  # ElasticSampler, ElasticShardedIterable
         self.pending_position: DataPosition | None = None
         self.pending_rank_state: dict[str, Any] | None = None
         self.resumed: LoadResult | None = None
@@ -406,7 +406,7 @@ class ElasticSession:
         self.adopt_sampler(sampler)
         return dataloader
 
-    def adopt_sampler(self, sampler: ElasticSampler | None) -> None:
+    def adopt_sampler(self, sampler: FollowsTheLoop | None) -> None:
         """A training dataloader was (re)built: continue the epoch where the checkpoint left it."""
         self.sampler = sampler
         if sampler is not None:

@@ -18,6 +18,7 @@ Which samples a rank gets next (:func:`rank_indices`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,12 @@ class DataPosition:
     progress). With ``padded`` the sequence is ``DistributedSampler``'s padded order for
     ``world_size`` (no resume at another world size happened this epoch); otherwise it is the
     raw order, whose remaining part is dealt with minimal padding.
+
+    For a sharded iterable dataset (:mod:`~lightning_elastic.core.elastic.shards`),
+    ``shards`` describes the segment being read instead: ``pieces`` (the pieces left when it
+    started, ``None`` for the whole epoch), ``workers``, ``batch_size``, ``drop_last_batch``
+    and ``start_batches`` (the loop's counter when it started); ``consumed`` is then the
+    samples each rank has read of it.
     """
 
     epoch: int
@@ -40,6 +47,7 @@ class DataPosition:
     world_size: int
     batches: int = 0
     padded: bool = True
+    shards: dict[str, Any] | None = None
 
     def continues_padded(self, world: int) -> bool:
         """Whether a segment starting here at ``world`` ranks follows the padded order."""
