@@ -142,9 +142,19 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         return state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's sharded state, keyed by parameter name (see the module docstring)."""
+        """The optimizer's sharded state, keyed by parameter name (see the module docstring).
+        An optimizer that has not stepped yet has no state to save: its groups only (torch's
+        ``get_optimizer_state_dict`` would create the state with a zero-lr step on the live
+        optimizer, which counts as a step for Adam's bias correction)."""
         assert self.model is not None
-        state = get_optimizer_state_dict(self.model, unwrap_optimizer(optimizer), options=_SHARDED)
+        inner = unwrap_optimizer(optimizer)
+        if not inner.state:
+            return {
+                "sharded": True,
+                "param_groups": zero.named_groups(inner.param_groups, self._param_names()),
+                "state": {},
+            }
+        state = get_optimizer_state_dict(self.model, inner, options=_SHARDED)
         return {"sharded": True, **state}
 
     # ------------------------------------------------------------------ loading
@@ -212,13 +222,22 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         """Put the loaded optimizer states (sharded here, ZeRO-1 or plain) into the optimizers."""
         if "optimizer_states" not in checkpoint:
             return  # a Lightning checkpoint: ModelParallelStrategy loaded it in place
-        assert self.model is not None and self.lightning_module is not None
-        names = {param: name for name, param in self.lightning_module.named_parameters()}
+        assert self.model is not None
+        names = self._param_names()
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             inner = unwrap_optimizer(optimizer)
             named = zero.as_named(saved, inner.param_groups, names)
             state = {"state": named["state"], "param_groups": named["param_groups"]}
-            set_optimizer_state_dict(self.model, inner, state, options=_SHARDED)
+            # not strict: a parameter that never had a gradient has no state in the checkpoint
+            options = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=False)
+            set_optimizer_state_dict(self.model, inner, state, options=options)
+            for param in list(inner.state):  # states the load template created, not loaded
+                if names.get(param) not in named["state"]:
+                    del inner.state[param]
+
+    def _param_names(self) -> dict[torch.Tensor, str]:
+        assert self.lightning_module is not None
+        return {param: name for name, param in self.lightning_module.named_parameters()}
 
     def _fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

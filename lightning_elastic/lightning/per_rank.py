@@ -64,12 +64,7 @@ def per_rank_rules(trainer: pl.Trainer) -> tuple[PerRankRule, ...]:
         ConfigError: a callback declares an unknown ``per_rank_state_on_resize``.
     """
     rules = [
-        PerRankRule(
-            ("state_dict",),
-            "rank0",
-            "DDP broadcasts rank 0's buffers at the next forward (BatchNorm statistics differ "
-            "between ranks between two steps); parameters are identical under DDP",
-        ),
+        PerRankRule(("state_dict",), "rank0", _model_reason(trainer)),
         PerRankRule(("hyper_parameters",), "rank0", _RANK0),
         PerRankRule(("datamodule_hyper_parameters",), "rank0", _RANK0),
         PerRankRule(LOADER_PREFIX, "fresh", LOADER_REASON),
@@ -82,6 +77,18 @@ def per_rank_rules(trainer: pl.Trainer) -> tuple[PerRankRule, ...]:
             reason = _RANK0 if action == "rank0" else "the callback keeps its initial state"
             rules.append(PerRankRule(("callbacks", callback.state_key), action, reason))
     return tuple(rules)
+
+
+def _model_reason(trainer: pl.Trainer) -> str:
+    if hasattr(trainer.strategy, "device_mesh"):  # FSDP2 / tensor parallel
+        return (
+            "sharded parameters are resharded; buffers (e.g. BatchNorm statistics), which each "
+            "rank keeps for itself under FSDP, become rank 0's on every rank"
+        )
+    return (
+        "DDP broadcasts rank 0's buffers at the next forward (BatchNorm statistics differ "
+        "between ranks between two steps); parameters are identical under DDP"
+    )
 
 
 def _declared(callback: Any) -> str | None:

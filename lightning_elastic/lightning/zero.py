@@ -38,6 +38,7 @@ __all__ = [
     "as_named",
     "constructor_arguments",
     "load_optimizer",
+    "named_groups",
     "optimizer_state",
     "repoint_scheduler",
     "shard",
@@ -171,7 +172,7 @@ def optimizer_state(optimizer: Optimizer, names: Mapping[torch.Tensor, str]) -> 
     }
     return {
         "sharded": True,
-        "param_groups": _named_groups(optimizer.param_groups, names),
+        "param_groups": named_groups(optimizer.param_groups, names),
         "state": state,
     }
 
@@ -218,9 +219,10 @@ def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
-def _named_groups(
+def named_groups(
     groups: Iterable[Mapping[str, Any]], names: Mapping[torch.Tensor, str]
 ) -> list[dict[str, Any]]:
+    """Parameter groups with their parameters as names (the name-keyed form's groups)."""
     return [
         {
             **{k: v for k, v in group.items() if k != "params"},

@@ -26,11 +26,15 @@ class ShardedModule(TinyModule):
     """``TinyModule`` with its layers sharded by FSDP2 in ``configure_model``; optionally
     bf16 compute (fp32 reduction), a frozen first layer, or unsharded (plain DDP use)."""
 
-    def __init__(self, *args: Any, mixed: bool = False, frozen: bool = False, **kw: Any) -> None:
+    def __init__(
+        self, *args: Any, mixed: bool = False, frozen: bool = False, unused: bool = False, **kw: Any
+    ) -> None:
         super().__init__(*args, **kw)
         self.save_hyperparameters()
         if frozen:
             self.net[0].requires_grad_(False)
+        if unused:  # a layer the optimizer holds that never gets a gradient (a later head)
+            self.aux = torch.nn.Linear(4, 4)
 
     def configure_model(self) -> None:
         if getattr(self, "_device_mesh", None) is None:
@@ -54,6 +58,8 @@ class ShardedModule(TinyModule):
         )
         for layer in (self.net[0], self.net[3]):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
+        if self.hparams.unused:
+            fully_shard(self.aux, mesh=mesh, mp_policy=policy)
         fully_shard(self.net, mesh=mesh, mp_policy=policy)
 
     def configure_optimizers(self) -> Any:
@@ -61,6 +67,14 @@ class ShardedModule(TinyModule):
         opt = torch.optim.AdamW(trainable, lr=self.hparams.lr, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _SaveAtStart(pl.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 def _full(value: Any) -> Any:
@@ -80,7 +94,10 @@ def snapshot(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
     sharded = isinstance(next(module.parameters()), DTensor)
     if sharded:
         model = get_model_state_dict(module, options=_FULL)
-        optim = get_optimizer_state_dict(module, optimizer, options=_FULL)["state"]
+        # (asked first: torch would create the states of an optimizer that never stepped)
+        optim = {}
+        if optimizer.state:
+            optim = get_optimizer_state_dict(module, optimizer, options=_FULL)["state"]
         local = sum(p.to_local().numel() for p in module.parameters())
     else:
         names = {p: n for n, p in module.named_parameters()}
@@ -119,6 +136,8 @@ def fsdp_fit(
     ckpt_path: str | None = None,
     tensor_parallel: int = 1,
     signal_at: int = -1,
+    unused: bool = False,
+    save_at_start: bool = False,
 ) -> dict[str, Any]:
     """Fit ``ShardedModule`` under ``strategy`` (``"elastic_fsdp"``, ``"elastic"``, or
     ``"single"``: one device) with a ``DistributedCheckpoint`` every ``every`` steps, resuming
@@ -134,6 +153,7 @@ def fsdp_fit(
         frozen=frozen,
         signal_at=signal_at,
         signal_rank=1,
+        unused=unused,
     )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     chosen: Any
@@ -148,12 +168,15 @@ def fsdp_fit(
     checkpoint = DistributedCheckpoint(
         f"{root}/ckpts", every_n_train_steps=every, save_on_train_end=False, async_save=async_save
     )
+    callbacks: list[Any] = [checkpoint]
+    if save_at_start:  # a checkpoint before the first optimizer step
+        callbacks.append(_SaveAtStart(f"{root}/at_start"))
     trainer = make_trainer(
         root,
         max_steps=max_steps,
         strategy=chosen,
         devices=world if strategy != "single" else 1,
-        callbacks=[checkpoint],
+        callbacks=callbacks,
     )
     try:
         trainer.fit(model, ckpt_path=ckpt_path)

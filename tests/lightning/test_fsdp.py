@@ -213,3 +213,26 @@ def test_sigterm_on_one_rank_checkpoints_the_shards_and_resumes(tmp_path) -> Non
     resumed = run_distributed(w.fsdp_fit, 2, root, 8, every=100)
     assert resumed[0]["resumed_from"].endswith("step_000000006")
     assert sorted(dict(resumed[0]["losses"])) == [6, 7]
+
+
+@pytest.mark.parametrize("loaded_world", [2, 3])
+def test_a_parameter_without_gradients_resumes(tmp_path, saved, loaded_world) -> None:
+    # the optimizer holds a layer that never had a gradient: no state saved for it, and none
+    # after the resume either (not the zero-lr step's placeholder)
+    source, before = saved(2, unused=True)
+    assert "aux.weight" not in before[0]["optim"] and "net.3.weight" in before[0]["optim"]
+    after = resume(tmp_path, source, loaded_world, unused=True)
+    assert_same_state(before, after)
+
+
+def test_a_save_before_the_first_step_changes_nothing(tmp_path) -> None:
+    kw = {"every": 100, "dropout": 0.0}
+    plain = run_distributed(w.fsdp_fit, 2, str(tmp_path / "plain"), 4, **kw)
+    saving = run_distributed(w.fsdp_fit, 2, str(tmp_path / "saving"), 4, save_at_start=True, **kw)
+    assert saving[0]["losses"] == plain[0]["losses"]  # no phantom optimizer step
+    assert_same_state(plain, saving)
+    # that checkpoint holds the groups only, and resumes to the same training
+    resumed = run_distributed(
+        w.fsdp_fit, 3, str(tmp_path / "resumed"), 0, ckpt_path=str(tmp_path / "saving/at_start")
+    )
+    assert resumed[0]["optim"] == {}
