@@ -33,6 +33,8 @@ _EXPORTS = {
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
     "ElasticSampler": "lightning_elastic.lightning.data",
     "ElasticFSDPStrategy": "lightning_elastic.lightning.fsdp",
+    "ElasticShardedIterable": "lightning_elastic.lightning.streaming",
+    "read_jsonl": "lightning_elastic.lightning.streaming",
     "ElasticStrategy": "lightning_elastic.lightning.strategy",
     "ForkingWorkersWarning": "lightning_elastic.lightning.fork_safety",
     **{
@@ -116,6 +118,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.lightning.fork_safety import ForkingWorkersWarning
     from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
     from lightning_elastic.lightning.strategy import ElasticStrategy
+    from lightning_elastic.lightning.streaming import ElasticShardedIterable, read_jsonl
 
 
 def __getattr__(name: str) -> Any:

@@ -210,6 +210,11 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
 
     # ------------------------------------------------------------------ reading
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for DataLoader workers: without the followed trainer (a weak reference,
+        used in the main process only)."""
+        return {**self.__dict__, "_trainer": None}
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
