@@ -35,6 +35,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
+    IterableDataset,
     RandomSampler,
     Sampler,
     SequentialSampler,
@@ -274,8 +275,11 @@ def make_elastic(
         if type(dataloader.batch_sampler) is not BatchSampler:
             raise ConfigError("global_batch_size needs a DataLoader built with batch_size=...")
     batch_size = dataloader.batch_size
+    if isinstance(dataloader.dataset, IterableDataset):
+        _keeps_own_position(dataloader, f"an IterableDataset, {type(dataloader.dataset).__name__}")
+        return dataloader, None
     if batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
-        _keeps_own_position(dataloader, "custom batch sampler")
+        _keeps_own_position(dataloader, "a custom batch sampler")
         return dataloader, None
     if type(sampler) is DistributedSampler:
         shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
@@ -286,7 +290,7 @@ def make_elastic(
     elif isinstance(sampler, ElasticSampler):  # user-provided: keep its settings
         shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
     else:
-        _keeps_own_position(dataloader, f"{type(sampler).__name__} cannot be replaced")
+        _keeps_own_position(dataloader, f"its sampler, {type(sampler).__name__}, is not ours")
         return dataloader, None
     per_rank = batch_size if global_batch_size is None else global_batch_size // num_replicas
     elastic = ElasticSampler(
@@ -357,16 +361,31 @@ def _check_divisible(global_batch_size: int, num_replicas: int) -> None:
         )
 
 
+_WARNED: set[str] = set()  # the not-resumable warning, once per process and kind
+
+
 def _keeps_own_position(dataloader: DataLoader[Any], why: str) -> None:
     """Say whether a dataloader left alone can resume within an epoch: with Lightning's
     stateful-dataloader protocol (``state_dict``/``load_state_dict``, e.g. torchdata's
-    ``StatefulDataLoader``) it keeps its own position, per rank; without, it cannot."""
+    ``StatefulDataLoader``) it keeps its own position, per rank; without, it cannot: one
+    warning at setup, saying what to implement."""
     if callable(getattr(dataloader, "state_dict", None)) and callable(
         getattr(dataloader, "load_state_dict", None)
     ):
         log.info("%s: %s keeps its own position (state_dict)", why, type(dataloader).__name__)
-    else:
-        log.warning("%s: the position within an epoch is not resumable", why)
+        return
+    if why in _WARNED:
+        return
+    _WARNED.add(why)
+    log.warning(
+        "the training dataloader cannot resume within an epoch (%s): after a resume its epoch "
+        "starts over from the first batch, so samples are trained twice or, at another world "
+        "size, skipped. Give the DataLoader state_dict()/load_state_dict() (e.g. torchdata's "
+        "StatefulDataLoader: exact at the same world size), or, for data in shards, use "
+        "lightning_elastic.ElasticShardedIterable (exact at any world size). See "
+        "docs/streaming.md.",
+        why,
+    )
 
 
 def _rebuild(dataloader: DataLoader[Any], sampler: ElasticSampler, batch_size: int | None) -> Any:

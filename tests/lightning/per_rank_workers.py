@@ -89,7 +89,10 @@ class ShardedLoaderModule(TinyModule):
         n = self.hparams.n
         shard = Subset(IdDataset(n), list(range(rank, n, world)))
         sampler = ShardShuffle(len(shard), seed=1000 + rank)
-        return StatefulDataLoader(shard, batch_size=self.hparams.batch_size, sampler=sampler)
+        workers = getattr(self, "loader_workers", 0)
+        return StatefulDataLoader(
+            shard, batch_size=self.hparams.batch_size, sampler=sampler, num_workers=workers
+        )
 
 
 class _Records(logging.Handler):
@@ -109,6 +112,7 @@ def fit(
     tally: str = "plain",
     loader: bool = False,
     every: int = 5,
+    workers: int = 0,
 ) -> dict[str, Any]:
     """Fit at the world size of the process group, with a per-rank tally and, with
     ``loader``, a StatefulDataLoader per rank; SIGKILL at ``kill_at`` (after the last save
@@ -117,6 +121,7 @@ def fit(
     logging.getLogger("lightning_elastic").addHandler(records)
     pl.seed_everything(7, verbose=False)
     model = (ShardedLoaderModule if loader else TinyModule)(kill_at=kill_at)
+    model.loader_workers = workers  # StatefulDataLoader's worker processes
     counter = {"plain": RankTally, "fresh": FreshTally}[tally]()
     checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every)
     trainer = make_trainer(

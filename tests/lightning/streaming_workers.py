@@ -60,6 +60,37 @@ class StreamingModule(TinyModule):
         return DataLoader(dataset, batch_size=self.hparams.batch_size, num_workers=self.workers)
 
 
+class PlainStream(torch.utils.data.IterableDataset):
+    """An iterable dataset that keeps no position (neither stateful nor sharded)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        data = IdDataset(sum(COUNTS))
+        return (data[i] for i in range(len(data)))
+
+
+class PlainStreamingModule(TinyModule):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(PlainStream(), batch_size=self.hparams.batch_size)
+
+
+def fit_plain(root: str, max_steps: int) -> dict[str, Any]:
+    """Fit from an iterable dataset that cannot resume mid-epoch (twice in this process)."""
+    records = _Records()
+    logging.getLogger("lightning_elastic").addHandler(records)
+    for _ in range(2):
+        pl.seed_everything(7, verbose=False)
+        trainer = make_trainer(
+            root,
+            max_steps=max_steps,
+            strategy=ElasticStrategy(),
+            devices=torch.distributed.get_world_size(),
+            callbacks=[DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=2)],
+        )
+        trainer.fit(PlainStreamingModule())
+        max_steps += 2
+    return {"log": records.messages, "global_step": trainer.global_step}
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)

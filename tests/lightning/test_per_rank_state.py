@@ -42,12 +42,13 @@ def test_a_callback_state_that_differs_per_rank_resumes_on_every_rank(tmp_path) 
     assert reference[0]["tally"]["id_sum"] != reference[1]["tally"]["id_sum"]
 
 
-def test_a_stateful_dataloader_per_rank_resumes_every_rank_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_per_rank_resumes_every_rank_exactly(tmp_path, workers) -> None:
     pytest.importorskip("torchdata")
     reference = run_distributed(
-        per_rank_workers.fit, 2, str(tmp_path / "ref"), MAX_STEPS, loader=True
+        per_rank_workers.fit, 2, str(tmp_path / "ref"), MAX_STEPS, loader=True, workers=workers
     )
-    resumed = killed_and_resumed(str(tmp_path / "run"), loader=True)
+    resumed = killed_and_resumed(str(tmp_path / "run"), loader=True, workers=workers)
     for rank in range(2):
         assert resumed[rank]["loaded"]["rank"] == rank
         assert_continues_exactly(reference[rank], resumed[rank])
