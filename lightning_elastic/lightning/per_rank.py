@@ -80,7 +80,7 @@ def per_rank_rules(trainer: pl.Trainer) -> tuple[PerRankRule, ...]:
 
 
 def _model_reason(trainer: pl.Trainer) -> str:
-    if hasattr(trainer.strategy, "device_mesh"):  # FSDP2 / tensor parallel
+    if hasattr(type(getattr(trainer, "strategy", None)), "device_mesh"):  # FSDP2 / TP
         return (
             "sharded parameters are resharded; buffers (e.g. BatchNorm statistics), which each "
             "rank keeps for itself under FSDP, become rank 0's on every rank"

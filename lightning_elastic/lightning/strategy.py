@@ -122,10 +122,12 @@ class ElasticCheckpointing:
     # ------------------------------------------------------------------ setup and data
 
     def setup(self, trainer: Any) -> None:
+        """Set the strategy up, with our session knowing the global batch size."""
         self._session(trainer).global_batch_size = self.global_batch_size
         super().setup(trainer)  # type: ignore[misc]
 
     def process_dataloader(self, dataloader: object) -> object:
+        """A training dataloader made resumable (``ElasticSampler``, sharded iterable)."""
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None:
@@ -172,6 +174,7 @@ class ElasticCheckpointing:
         return checkpoint
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint: ours manifest first (rank 0), any other as Lightning does."""
         options = self._session(self._trainer()).storage_options
         if not is_elastic_checkpoint(filepath, options):
             super().remove_checkpoint(filepath)  # type: ignore[misc]
@@ -188,12 +191,14 @@ class ElasticCheckpointing:
     # ------------------------------------------------------------------ hooks
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Note the loaders' states; before the first resumed step, restore RNG and metrics."""
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
             self._session(trainer).on_train_batch_start()
 
     def teardown(self) -> None:
+        """Close our engines and checkpoint group, then tear the strategy down."""
         session = getattr(self, "_lightning_elastic_session", None)
         try:
             if session is not None:
