@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_elastic import DistributedCheckpoint, ElasticShardedIterable, ElasticStrategy
 from tests.elastic.journal import Journal
+from tests.elastic.workers import _Records
 from tests.lightning.models import IdDataset, TinyModule, make_trainer
 
 COUNTS = [7, 0, 13, 5, 9, 1, 11, 4, 8, 6]  # 10 shards (one empty), 64 samples
@@ -89,15 +90,6 @@ def fit_plain(root: str, max_steps: int) -> dict[str, Any]:
         trainer.fit(PlainStreamingModule())
         max_steps += 2
     return {"log": records.messages, "global_step": trainer.global_step}
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def fit(
