@@ -51,10 +51,13 @@ def read_samples(file: IO[bytes], start: int, stop: int) -> Iterator[Any]:
 class StreamingModule(TinyModule):
     """``TinyModule`` reading its training data from shards."""
 
-    def __init__(self, shards: list[str], workers: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, shards: list[str], workers: int = 0, persistent: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.shards = shards
         self.workers = workers
+        self.persistent = persistent
 
     def train_dataloader(self) -> DataLoader:
         dataset = ElasticShardedIterable(self.shards, COUNTS, read_samples, shuffle=True)
@@ -100,6 +103,7 @@ def fit(
     every: int = 3,
     workers: int = 0,
     global_batch_size: int | None = None,
+    persistent: bool = False,
 ) -> dict[str, Any]:
     """Fit at the process group's world size from the shards in ``root/shards``, with a
     journal of every trained sample in ``root/journal``; SIGKILL at ``kill_at``."""
@@ -107,7 +111,7 @@ def fit(
     logging.getLogger("lightning_elastic").addHandler(records)
     pl.seed_everything(7, verbose=False)
     shards = sorted(str(p) for p in Path(root, "shards").glob("*.jsonl"))
-    model = StreamingModule(shards, workers, kill_at=kill_at)
+    model = StreamingModule(shards, workers, persistent, kill_at=kill_at)
     trainer = make_trainer(
         root,
         max_steps=max_steps,

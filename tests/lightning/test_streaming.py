@@ -37,6 +37,21 @@ def test_world_changes_mid_epoch_see_every_sample_once_per_epoch(tmp_path) -> No
         assert counts == collections.Counter(range(N)), f"epoch {epoch} is not the data once"
 
 
+def test_global_batch_size_and_persistent_workers_across_a_change(tmp_path) -> None:
+    # 12 samples per step at 2 and at 3 ranks (6 and 4 per rank); persistent workers keep
+    # their copy of the dataset across epochs (set_epoch reaches the main process only)
+    root = str(tmp_path)
+    w.write_shards(tmp_path / "shards")
+    kw = {"workers": 2, "persistent": True, "global_batch_size": 12}
+    run_distributed(w.fit, 2, root, 100, kill_at=4, may_die={0, 1}, **kw)  # resumes from 3
+    results = run_distributed(w.fit, 3, root, 18, **kw)  # the rest of epoch 0, then 2 epochs
+    assert results[0]["resumed_from"].endswith("step_000000003")
+    per_epoch = journal.samples_per_epoch(journal.read(tmp_path / "journal"), 18)
+    assert sorted(per_epoch) == [0, 1, 2]
+    for epoch, counts in per_epoch.items():
+        assert counts == collections.Counter(range(N)), f"epoch {epoch} is not the data once"
+
+
 def test_same_world_resume_is_exact_with_workers(tmp_path) -> None:
     for run in ("ref", "run"):
         w.write_shards(tmp_path / run / "shards")
