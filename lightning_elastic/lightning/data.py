@@ -333,12 +333,7 @@ def _sharded_iterable(
         _check_divisible(global_batch_size, num_replicas)
         if global_batch_size // num_replicas != batch_size:
             batch_size = global_batch_size // num_replicas
-            try:
-                dataloader = reinstantiate_dataloader(dataloader, None, batch_size=batch_size)
-            except KeyError:
-                raise ConfigError(
-                    "cannot change the batch size of this DataLoader subclass"
-                ) from None
+            dataloader = _rebuild(dataloader, None, batch_size)
     dataset.configure(
         rank=rank,
         num_replicas=num_replicas,
@@ -388,9 +383,12 @@ def _keeps_own_position(dataloader: DataLoader[Any], why: str) -> None:
     )
 
 
-def _rebuild(dataloader: DataLoader[Any], sampler: ElasticSampler, batch_size: int | None) -> Any:
-    """Re-instantiate ``dataloader`` (its own class and arguments) with ``sampler`` and,
-    when given, a new per-rank ``batch_size`` (Lightning's sampler-injection machinery)."""
+def _rebuild(
+    dataloader: DataLoader[Any], sampler: ElasticSampler | None, batch_size: int | None
+) -> Any:
+    """Re-instantiate ``dataloader`` (its own class and arguments) with ``sampler`` (``None``:
+    none, for an iterable dataset) and, when given, a new per-rank ``batch_size`` (Lightning's
+    sampler-injection machinery)."""
     overrides = {} if batch_size is None else {"batch_size": batch_size}
     try:
         return reinstantiate_dataloader(dataloader, sampler, **overrides)

@@ -32,6 +32,7 @@ from lightning_elastic.lightning._compat import (
     uninstall_from_connector,
 )
 from lightning_elastic.lightning.aliases import CheckpointAlias, resolve_alias
+from lightning_elastic.lightning.session import is_our_strategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -100,7 +101,7 @@ def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> Non
     """For strategies other than ElasticStrategy: route their ``process_dataloader`` through
     the session so training dataloaders get a resumable sampler too."""
     strategy = trainer.strategy
-    if _ORIGINAL_PROCESS in strategy.__dict__ or hasattr(type(strategy), "_session"):
+    if _ORIGINAL_PROCESS in strategy.__dict__ or is_our_strategy(strategy):
         return  # already hooked, or an ElasticStrategy (which does it itself)
     original = strategy.process_dataloader
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from lightning_elastic.lightning.data import FollowsTheLoop
 
-__all__ = ["ELASTIC_KEY", "ElasticSession"]
+__all__ = ["ELASTIC_KEY", "ElasticSession", "is_our_strategy"]
 
 log = logging.getLogger(__name__)
 ELASTIC_KEY = "lightning_elastic"
@@ -278,8 +278,7 @@ class ElasticSession:
         if fitting and engine is self.writer:
             # this job continues the run: from now on an older copy of it may not commit
             engine.take_over()
-        ours = hasattr(type(self.trainer.strategy), "_session")
-        if "optimizer_states" in checkpoint and not ours:
+        if "optimizer_states" in checkpoint and not is_our_strategy(self.trainer.strategy):
             # a strategy of Lightning's own: name-keyed (ZeRO-1, FSDP) optimizer states made
             # plain, for Optimizer.load_state_dict
             checkpoint["optimizer_states"] = [
@@ -434,6 +433,12 @@ class ElasticSession:
         if pending.get("reset_metrics"):
             reset_metrics(module)
         restore_metric_states(module, pending.get("metrics") or {})
+
+
+def is_our_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` is one of ours (``ElasticCheckpointing``: it routes checkpoints
+    and dataloaders through the session itself, and reads name-keyed optimizer states)."""
+    return hasattr(type(strategy), "_session")
 
 
 def model_mismatch(

@@ -27,15 +27,7 @@ from typing import IO, Any
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 from lightning_elastic.core.elastic.data_position import DataPosition
-from lightning_elastic.core.elastic.shards import (
-    Piece,
-    Segment,
-    epoch_pieces,
-    remaining,
-    take,
-    total,
-    worker_batches,
-)
+from lightning_elastic.core.elastic.shards import Piece, Segment, epoch_pieces, remaining
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning.data import FollowsTheLoop
 
@@ -229,12 +221,7 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
             # a persistent worker's copy: set_epoch happened in the main process only
             epoch = self._iterated + 1
         self._iterated = epoch
-        segment = self._segment(epoch)
-        mine = segment.rank_pieces(self.rank)
-        readable = min(total(mine), segment.batches() * self.batch_size)
-        first, stop = worker_batches(segment.batches(), workers)[worker]
-        bs = self.batch_size
-        for shard, start, end in take(mine, first * bs, min(stop * bs, readable)):
+        for shard, start, end in self._segment(epoch).worker_pieces(self.rank, worker):
             yield from self._read(shard, start, end)
 
     def _read(self, shard: int, start: int, stop: int) -> Iterator[Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -102,13 +103,25 @@ class Segment:
 
     def rank_pieces(self, rank: int) -> list[Piece]:
         """The samples ``rank`` reads in this segment, in order."""
-        return self._dealt()[rank]
+        return self._parts[rank]
 
     def batches(self) -> int:
         """The batches every rank reads in this segment (the same on every rank)."""
-        return _batches(total(self._dealt()[0]), self.batch_size, self.drop_last_batch)
+        return _batches(total(self._parts[0]), self.batch_size, self.drop_last_batch)
 
-    def _dealt(self) -> list[list[Piece]]:
+    def worker_pieces(self, rank: int, worker: int, skip: int = 0) -> list[Piece]:
+        """The samples ``worker`` of ``rank`` reads (its run of batches, see
+        :func:`worker_batches`), after its first ``skip`` batches; without the samples of a
+        last short batch the DataLoader drops (``drop_last_batch``)."""
+        mine, batches = self._parts[rank], self.batches()
+        readable = min(total(mine), batches * self.batch_size)
+        first, stop = worker_batches(batches, self.workers)[worker]
+        start = min((first + skip) * self.batch_size, readable)
+        return take(mine, start, min(stop * self.batch_size, readable))
+
+    @cached_property
+    def _parts(self) -> list[list[Piece]]:
+        """Every rank's samples (dealt once per segment: asked for every rank and worker)."""
         return deal(
             list(self.pieces),
             self.world,
@@ -176,12 +189,11 @@ def remaining(segment: Segment, done: int) -> list[Piece]:
     """The pieces of ``segment`` that no rank has read after ``done`` batches of every rank:
     rank by rank, worker by worker, the rest of each worker's run. Samples that a rank
     never reads (a last short batch dropped with ``drop_last_batch``) are not included."""
-    out: list[Piece] = []
-    bs = segment.batch_size
-    for rank in range(segment.world):
-        mine = segment.rank_pieces(rank)
-        readable = min(total(mine), segment.batches() * bs)
-        runs = worker_batches(segment.batches(), segment.workers)
-        for (first, stop), used in zip(runs, consumed_batches(runs, done), strict=True):
-            out += take(mine, min((first + used) * bs, readable), min(stop * bs, readable))
-    return [p for p in out if p[2] > p[1]]
+    runs = worker_batches(segment.batches(), segment.workers)
+    used = consumed_batches(runs, done)
+    return [
+        piece
+        for rank in range(segment.world)
+        for worker, skip in enumerate(used)
+        for piece in segment.worker_pieces(rank, worker, skip)
+    ]
