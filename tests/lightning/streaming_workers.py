@@ -61,7 +61,15 @@ class StreamingModule(TinyModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = ElasticShardedIterable(self.shards, COUNTS, read_samples, shuffle=True)
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, num_workers=self.workers)
+        # fork, as under torchrun: in a run_distributed rank (a forkserver child) the default
+        # would be a forkserver, which outlives a SIGKILLed rank together with its workers
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            num_workers=self.workers,
+            persistent_workers=self.persistent,
+            multiprocessing_context="fork" if self.workers else None,
+        )
 
 
 class PlainStream(torch.utils.data.IterableDataset):
