@@ -4,7 +4,10 @@ pickle)."""
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import multiprocessing.context
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,41 @@ def mark_worker(directory: str, worker_id: int) -> None:
     Path(directory, f"{os.getpid()}-{worker_id}").touch()
 
 
+# Raised by a rank whose DataLoader timed out on a worker that never got out of ``os.fork()``
+CPYTHON_FORK_HANG = "a DataLoader worker never returned from os.fork() (CPython gh-112275)"
+LOADER_TIMEOUT_S = 30
+
+
+class RecordingFork(multiprocessing.context.ForkContext):
+    """The ``fork`` context, remembering the pid of every worker it starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pids: list[int] = []
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:
+        context = self
+
+        class Recorded(multiprocessing.context.ForkProcess):
+            def start(self) -> None:
+                super().start()
+                assert self.pid is not None
+                context.pids.append(self.pid)
+
+        return Recorded(*args, **kwargs)
+
+
+def hung_in_fork(workers_dir: str, pids: list[int]) -> list[int]:
+    """Workers that were started but never ran their ``worker_init_fn``: each marks its
+    start first thing after the fork, so a missing mark means the child is stuck inside
+    ``os.fork()`` itself - CPython gh-112275 (an interpreter lock held by another thread at
+    the fork; seen here before any save had started a writer thread). A hang caused by a
+    lock of ours would come later: the import, stderr and logging locks are first taken
+    after the worker's start."""
+    marked = {int(p.name.split("-")[0]) for p in Path(workers_dir).iterdir()}
+    return [pid for pid in pids if pid not in marked]
+
+
 class ForkingWorkers(TinyModule):
     """TinyModule whose training DataLoader forks 2 new workers at every epoch. The fork
     context is explicit: a rank started by ``run_distributed`` (a forkserver child) would
@@ -28,7 +66,7 @@ class ForkingWorkers(TinyModule):
     def __init__(self, workers_dir: str, context: str = "fork", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.workers_dir = workers_dir
-        self.context = context
+        self.context: Any = RecordingFork() if context == "fork" else context
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
@@ -39,6 +77,7 @@ class ForkingWorkers(TinyModule):
             persistent_workers=False,
             multiprocessing_context=self.context,
             worker_init_fn=functools.partial(mark_worker, self.workers_dir),
+            timeout=LOADER_TIMEOUT_S,  # a hung worker fails the rank instead of the test
         )
 
 
@@ -65,7 +104,16 @@ def fit_forking_workers(
         strategy=ElasticStrategy(),
         callbacks=callbacks,
     )
-    trainer.fit(model)
+    try:
+        trainer.fit(model)
+    except RuntimeError as exc:
+        pids = getattr(model.context, "pids", [])
+        hung = hung_in_fork(workers_dir, pids) if "timed out" in str(exc) else []
+        for pid in hung:  # stuck in C: SIGTERM would only set Python's flag
+            os.kill(pid, signal.SIGKILL)
+        if hung:
+            raise RuntimeError(f"{CPYTHON_FORK_HANG}: pids {hung}") from exc
+        raise
     loader = trainer.train_dataloader
     return {
         "global_step": trainer.global_step,

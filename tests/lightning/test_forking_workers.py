@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from lightning_elastic.lightning.fork_safety import (
     forking_loaders,
     warn_forking_workers,
 )
-from lightning_elastic.testing.spawn import run_distributed
+from lightning_elastic.testing.spawn import WorkerFailure, run_distributed
 from tests.lightning import forking_workers
 
 EPOCHS = 30
@@ -25,11 +26,23 @@ EVERY = 3  # steps; 2 steps per epoch, so saves are in flight across epoch start
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(450)
 def test_thirty_epochs_of_forked_workers_with_saves_in_flight_do_not_hang(tmp_path: Path) -> None:
-    results = run_distributed(
-        forking_workers.fit_forking_workers, 2, str(tmp_path), EPOCHS, EVERY, timeout=120
-    )
+    """A worker stuck inside ``os.fork()`` itself is CPython's bug (gh-112275 on 3.11.7, also
+    without any save: seen at the first epoch change, before the first save started our
+    writer thread); that run is repeated, up to twice. Every other hang fails the test."""
+    for attempt in range(3):
+        root = tmp_path / f"attempt{attempt}"
+        try:
+            results = run_distributed(
+                forking_workers.fit_forking_workers, 2, str(root), EPOCHS, EVERY, timeout=120
+            )
+            break
+        except WorkerFailure as exc:
+            if attempt == 2 or forking_workers.CPYTHON_FORK_HANG not in str(exc):
+                raise
+            print(f"attempt {attempt}: {forking_workers.CPYTHON_FORK_HANG}", file=sys.stderr)
+    tmp_path = root
     for rank, out in enumerate(results):
         assert out["loader"] == (2, False)  # the loader the trainer used still forks
         assert out["global_step"] == 2 * EPOCHS and out["epochs"] == EPOCHS
