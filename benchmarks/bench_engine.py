@@ -16,6 +16,13 @@ Default state: 22 x Linear(2048, 2048) with Adam moments (~1.1 GB, replicated on
 ``--small`` uses 4 x Linear(512, 512) for a quick run.
 
     python benchmarks/bench_engine.py [--small] [--rounds 3] [--out benchmarks/results/engine.json]
+
+``--tensors N``: the per-tensor cost instead (#10): N replicated fp32 tensors of 4 KB each,
+ours against ``dcp.async_save`` and ``dcp.load`` (same world size), interleaved; seconds
+blocked, to a durable commit, and to load, against the targets (20,000 tensors: blocked <=
+0.15 s, commit <= 1.0 s, load <= 1.0 s).
+
+    python benchmarks/bench_engine.py --tensors 20000 [--rounds 3] [--out benchmarks/results/tensors.json]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch.distributed as dist
 from lightning_elastic.testing.spawn import run_distributed
 
 CHUNK = 16 << 20
+DEFAULT_OUT = "benchmarks/results/engine.json"
 
 
 def build_state(layers: int, width: int) -> dict[str, Any]:
@@ -199,6 +207,95 @@ def worker(layers: int, width: int, rounds: int, scratch: str) -> dict[str, Any]
     return {"rank": rank, "state_bytes": state_bytes, "my_bytes": my_bytes, "records": records}
 
 
+TENSOR_TARGETS = {"blocked_s": 0.15, "commit_s": 1.0, "load_s": 1.0}
+
+
+def tensors_worker(count: int, rounds: int, scratch: str) -> dict[str, Any]:
+    """Per-tensor cost: ``count`` replicated 4 KB tensors, ours vs DCP, save and load."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_elastic import CheckpointEngine
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    state = {"model": {f"layer{i}.weight": torch.randn(1024) for i in range(count)}}
+    into = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    engine = CheckpointEngine(f"{scratch}/ours")
+    engine.save(state, step=0).result()  # warm-up: the arena, the plan cache
+    dcp.save(state, checkpoint_id=f"{scratch}/dcp_load", process_group=group)  # dcp.load's
+    records: dict[str, list[dict[str, float]]] = {}
+
+    def ours_save(step: int) -> None:
+        t0 = time.perf_counter()
+        handle = engine.save(state, step=step)
+        blocked = time.perf_counter() - t0
+        handle.result()
+        commit = time.perf_counter() - t0
+        records.setdefault("ours", []).append({"blocked_s": blocked, "commit_s": commit})
+
+    def dcp_save(step: int) -> None:
+        target = f"{scratch}/dcp/{step}"
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=target, process_group=group)
+        blocked = time.perf_counter() - t0
+        future.result()
+        commit = time.perf_counter() - t0
+        records.setdefault("dcp", []).append({"blocked_s": blocked, "commit_s": commit})
+        dist.barrier(group)
+        if rank == 0:
+            shutil.rmtree(f"{scratch}/dcp", ignore_errors=True)
+
+    def ours_load(step: int) -> None:
+        t0 = time.perf_counter()
+        engine.load(into)
+        records["ours"][-1]["load_s"] = time.perf_counter() - t0
+
+    def dcp_loads(step: int) -> None:
+        t0 = time.perf_counter()
+        dcp.load(into, checkpoint_id=f"{scratch}/dcp_load", process_group=group)
+        records["dcp"][-1]["load_s"] = time.perf_counter() - t0
+
+    for rnd in range(rounds):
+        order = [(ours_save, ours_load), (dcp_save, dcp_loads)]
+        for save, load in order if rnd % 2 == 0 else order[::-1]:
+            dist.barrier(group)
+            save(rnd + 1)
+            dist.barrier(group)
+            load(rnd + 1)
+    assert all(torch.equal(into["model"][k], v) for k, v in state["model"].items())
+    engine.close()
+    return {"rank": rank, "records": records}
+
+
+def report_tensors(results: list[dict[str, Any]], count: int, rounds: int) -> dict[str, Any]:
+    table = {
+        name: [
+            {key: median(res["records"][name], key) for key in TENSOR_TARGETS} for res in results
+        ]
+        for name in ("ours", "dcp")
+    }
+    print(f"\n{count} replicated tensors of 4 KB on 2 ranks, {rounds} interleaved rounds (medians)")
+    print(f"{'method':<8}{'rank':>5}{'blocked s':>11}{'commit s':>10}{'load s':>9}")
+    for name, per_rank in table.items():
+        for r, row in enumerate(per_rank):
+            print(
+                f"{name:<8}{r:>5}{row['blocked_s']:>11.3f}{row['commit_s']:>10.3f}"
+                f"{row['load_s']:>9.3f}"
+            )
+    worst = {key: max(row[key] for row in table["ours"]) for key in TENSOR_TARGETS}
+    met = {key: worst[key] <= target for key, target in TENSOR_TARGETS.items()}
+    print(
+        "targets (ours, worst rank): "
+        + ", ".join(
+            f"{key} {worst[key]:.3f} <= {TENSOR_TARGETS[key]} {'MET' if met[key] else 'MISSED'}"
+            for key in TENSOR_TARGETS
+        )
+    )
+    return {"table": table, "worst": worst, "met": met, "targets": TENSOR_TARGETS}
+
+
 def median(rows: list[dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -281,13 +378,30 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=7, help="7 = every method once in every position"
     )
-    parser.add_argument("--out", default="benchmarks/results/engine.json")
+    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument(
         "--scratch", default=None, help="directory for the checkpoints (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--tensors", type=int, default=None, help="the per-tensor mode: N tensors of 4 KB"
     )
     args = parser.parse_args()
     layers, width = (4, 512) if args.small else (22, 2048)
     scratch = args.scratch or tempfile.mkdtemp(prefix="le-bench-", dir=os.getcwd())
+    if args.tensors is not None:
+        try:
+            results = run_distributed(
+                tensors_worker, 2, args.tensors, args.rounds, scratch, timeout=3600
+            )
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        summary = report_tensors(results, args.tensors, args.rounds)
+        out = Path(args.out if args.out != DEFAULT_OUT else "benchmarks/results/tensors.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        config = {"tensors": args.tensors, "tensor_bytes": 4096, "rounds": args.rounds}
+        out.write_text(json.dumps({"config": config, **summary}, indent=1))
+        print(f"\nwrote {out}")
+        return
     try:
         results = run_distributed(worker, 2, layers, width, args.rounds, scratch, timeout=3600)
     finally:

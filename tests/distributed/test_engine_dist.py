@@ -36,6 +36,14 @@ def test_load_at_any_world_size(saved_on_two, world) -> None:
     assert [r["rank_state"] for r in results] == expected
 
 
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_load_failing_on_one_rank_fails_every_rank_naming_it(saved_on_two, failing_rank) -> None:
+    root, _ = saved_on_two
+    messages = run_distributed(workers.load_fails_on_one_rank, 2, root, failing_rank)
+    assert messages[0] == messages[1]
+    assert "0.weight" in messages[0]
+
+
 def test_twenty_back_to_back_async_saves(tmp_path) -> None:
     results = run_distributed(workers.back_to_back, 2, str(tmp_path), 20, timeout=180)
     for steps, listed in results:

@@ -150,3 +150,23 @@ def load_big(root: str) -> int:
     expected = torch.arange(BIG_SHAPE[0] * BIG_SHAPE[1], dtype=torch.float32).view(BIG_SHAPE)
     assert torch.equal(target["big"].full_tensor(), expected)
     return result.bytes_read
+
+
+def load_fails_on_one_rank(root: str, failing_rank: int) -> str:
+    """Every rank loads the checkpoint of ``save_two_ranks``; ``failing_rank`` asks for a
+    shape that was not saved. Each rank plans its reads alone (no DCP collective), so the
+    failure must still reach every rank, naming the rank and what failed there."""
+    from lightning_elastic.errors import CheckpointLoadError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fresh = replicated_state(seed=99)
+    fresh["emb"] = sharded(world, torch.zeros(*SHARDED_SHAPE))
+    if rank == failing_rank:
+        fresh["model"]["0.weight"] = torch.zeros(3, 3)
+    with CheckpointEngine(root) as eng:
+        try:
+            eng.load(fresh)
+        except CheckpointLoadError as exc:
+            assert exc.failed_ranks == [failing_rank], exc.failures
+            return str(exc)
+    raise AssertionError("the load did not fail")

@@ -218,6 +218,7 @@ def test_load_weights_reads_only_the_weights(tmp_path, monkeypatch) -> None:
     save(tmp_path, {5: 5})
     read = []
     real_into, real_bytes = LocalStorage.read_into, LocalStorage.read_bytes
+    real_ranges = LocalStorage.read_ranges
 
     def read_into(self, rel, offset, out):
         read.append((rel, out.nbytes))
@@ -228,8 +229,13 @@ def test_load_weights_reads_only_the_weights(tmp_path, monkeypatch) -> None:
         read.append((rel, len(data)))
         return data
 
+    def read_ranges(self, rel, ranges):
+        read.extend((rel, out.nbytes) for _, out in ranges)
+        return real_ranges(self, rel, ranges)
+
     monkeypatch.setattr(LocalStorage, "read_into", read_into)
     monkeypatch.setattr(LocalStorage, "read_bytes", read_bytes)
+    monkeypatch.setattr(LocalStorage, "read_ranges", read_ranges)
     load_weights(Net(), tmp_path)
     from_shards = sum(n for rel, n in read if rel.endswith(".distcp"))
     weights = sum(t.numel() * t.element_size() for t in Net().state_dict().values())

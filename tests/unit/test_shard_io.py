@@ -172,7 +172,12 @@ def recording(storage: Storage, monkeypatch) -> list[tuple[str, int, int]]:
         calls.append((rel, offset, out.nbytes))
         return original(rel, offset, out)
 
+    def read_ranges(rel, ranges):
+        for offset, out in ranges:
+            read_into(rel, offset, out)
+
     monkeypatch.setattr(storage, "read_into", read_into)
+    monkeypatch.setattr(storage, "read_ranges", read_ranges)
     return calls
 
 

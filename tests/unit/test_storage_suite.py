@@ -44,6 +44,20 @@ def test_short_read_is_an_error(storage: Storage) -> None:
         storage.read_into("f", 0, memoryview(bytearray(9)))
 
 
+def test_read_ranges_fills_every_range_of_one_file(storage: Storage) -> None:
+    storage.write_bytes("f", bytes(range(256)) * 64)
+    outs = [bytearray(3), bytearray(0), bytearray(5000), bytearray(1)]
+    offsets = [0, 10, 100, 16383]
+    storage.read_ranges("f", [(o, memoryview(b)) for o, b in zip(offsets, outs, strict=True)])
+    data = bytes(range(256)) * 64
+    for offset, out in zip(offsets, outs, strict=True):
+        assert bytes(out) == data[offset : offset + len(out)]
+    with pytest.raises(StorageError, match="ended after 1 of 2 bytes from offset 16383"):
+        storage.read_ranges("f", [(0, memoryview(bytearray(2))), (16383, memoryview(bytearray(2)))])
+    with pytest.raises(StorageNotFoundError):
+        storage.read_ranges("missing", [(0, memoryview(bytearray(1)))])
+
+
 def test_listing_exists_size_delete(storage: Storage) -> None:
     assert storage.listdir() == []
     storage.write_bytes("a/one", b"1")
@@ -214,3 +228,17 @@ def test_children_share_the_filesystem_instance(storage: Storage) -> None:
     assert child.fs is storage.fs
     child.write_bytes("f", b"1")
     assert storage.read_bytes("a/b/f") == b"1"
+
+
+def test_read_ranges_does_not_follow_a_planted_link(tmp_path) -> None:
+    """A shard file replaced by a link to a file outside the root is refused, as by read_into."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret bytes")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "shard.distcp").symlink_to(outside)
+    storage = Storage(str(root))
+    out = bytearray(6)
+    with pytest.raises(StorageError):
+        storage.read_ranges("shard.distcp", [(0, memoryview(out))])
+    assert bytes(out) == bytes(6)

@@ -13,7 +13,7 @@ Objects are unpickled safely (``weights_only=True`` and the allowlist of
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -221,7 +221,7 @@ def _bar(progress: ProgressFactory | None, desc: str, total: int | None) -> Prog
 
 def _count_reads(storage: Storage, update: Callable[[int], Any]) -> None:
     """Report the bytes ``storage`` reads (this instance only) to a progress bar."""
-    read_bytes, read_into = storage.read_bytes, storage.read_into
+    read_bytes, read_into, read_ranges = storage.read_bytes, storage.read_into, storage.read_ranges
 
     def counted_bytes(rel: str, start: int = 0, length: int | None = None) -> bytes:
         data = read_bytes(rel, start, length)
@@ -232,8 +232,13 @@ def _count_reads(storage: Storage, update: Callable[[int], Any]) -> None:
         read_into(rel, offset, out)
         update(out.nbytes)
 
+    def counted_ranges(rel: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        read_ranges(rel, ranges)
+        update(sum(out.nbytes for _, out in ranges))
+
     storage.read_bytes = counted_bytes  # type: ignore[method-assign]
     storage.read_into = counted_into  # type: ignore[method-assign]
+    storage.read_ranges = counted_ranges  # type: ignore[method-assign]
 
 
 class _CountingFile:

@@ -284,37 +284,54 @@ def _dcp_load(
     *,
     collective: bool = True,
 ) -> None:
-    use_group = collective and coord.distributed
+    """DCP's load of ``state`` on this rank. Every rank has the whole metadata, so each plans
+    its own reads without DCP's gather and scatter of every rank's read plan (at 20,000
+    tensors those pickled plans cost more than reading the bytes); with ``collective``, one
+    agreement then makes a failure on any rank fail every rank, naming them all."""
     # DCP sorts the top-level keys (int and str do not compare); its FQNs are str(key) anyway.
     keyed = {str(k): v for k, v in state.items()}
+    failures: list[_Failure] = []
+    cause: BaseException | None = None  # this rank's own failure, chained to the error
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(
-                keyed,
-                storage_reader=reader,
-                planner=planner,
-                process_group=coord.group if use_group else None,
-                no_dist=not use_group,
-            )
+            dcp_load(keyed, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as exc:
-        errors = _failures(exc)
-        failures = [
-            RankFailure(rank, Phase.LOAD, type(err).__name__, str(err))
-            for rank, err in errors.items()
-        ]
-        unsafe = [err for err in errors.values() if isinstance(err, UnsafeObjectError)]
-        if unsafe:
-            types = sorted({t for err in unsafe for t in err.types})
-            raise UnsafeCheckpointError(info.location, failures, types) from exc
-        raise CheckpointLoadError(info.location, failures) from exc
+        cause = exc
+        failures = [_Failure.of(coord.rank, err) for err in _failures(exc).values()]
     except Exception as exc:
-        failures = [RankFailure.from_exception(coord.rank, Phase.LOAD, exc)]
-        if isinstance(exc, UnsafeObjectError):
-            raise UnsafeCheckpointError(info.location, failures, exc.types) from exc
-        raise CheckpointLoadError(info.location, failures) from exc
+        cause = exc
+        failures = [_Failure.of(coord.rank, exc)]
+    if collective and coord.distributed:
+        failed = coord.max_ints([1 if failures else 0], Phase.LOAD, error=CheckpointLoadError)
+        if failed[0]:
+            gathered = coord.all_gather(Phase.LOAD, lambda: failures, error=CheckpointLoadError)
+            failures = [f for rank_failures in gathered for f in rank_failures]
+    if failures:
+        ranks = [RankFailure(f.rank, Phase.LOAD, f.type_name, f.message) for f in failures]
+        unsafe = sorted({t for f in failures for t in f.unsafe_types})
+        if any(f.unsafe for f in failures):
+            raise UnsafeCheckpointError(info.location, ranks, unsafe) from cause
+        raise CheckpointLoadError(info.location, ranks) from cause
     for key in state:  # values DCP replaced rather than filled in place
         state[key] = keyed[str(key)]
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One rank's load failure, as it travels to the other ranks (plain, picklable)."""
+
+    rank: int
+    type_name: str
+    message: str
+    unsafe: bool = False
+    unsafe_types: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> _Failure:
+        if isinstance(exc, UnsafeObjectError):
+            return cls(rank, type(exc).__name__, str(exc), True, tuple(exc.types))
+        return cls(rank, type(exc).__name__, str(exc))
 
 
 def _template(

@@ -24,7 +24,11 @@ from lightning_elastic.core.save.stage import byte_view
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ManifestError
 
-__all__ = ["ShardReader"]
+__all__ = ["BATCH_BYTES", "ShardReader"]
+
+# The most bytes a load reads into staging buffers before copying them to their
+# destinations (regions read in place into the destination do not count)
+BATCH_BYTES = 64 << 20
 
 
 class ShardReader(StorageReader):
@@ -82,11 +86,14 @@ class ShardReader(StorageReader):
                     f"{self.storage.display()}: no stored bytes for {req.storage_index.fqn}"
                 ) from None
         located.sort(key=lambda pair: (pair[0].file, pair[0].offset))
+        batch = _Batch(self.storage, planner)
         for location, req in located:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(self._read_item(location)))
             else:
-                self._read_tensor(location, req, planner)
+                self._read_tensor(location, req, planner, batch)
+        batch.flush()
+        self.bytes_read += batch.bytes_read
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -103,7 +110,9 @@ class ShardReader(StorageReader):
             stream = ext.transform_from(stream)
         return cast(bytes, stream.read())
 
-    def _read_tensor(self, location: ItemLocation, req: ReadItem, planner: LoadPlanner) -> None:
+    def _read_tensor(
+        self, location: ItemLocation, req: ReadItem, planner: LoadPlanner, batch: _Batch
+    ) -> None:
         key = (req.storage_index.fqn, tuple(req.storage_index.offset or ()))
         try:
             dtype, sizes = self._chunks[key]
@@ -119,7 +128,8 @@ class ShardReader(StorageReader):
         )
         if rows is not None:
             # The wanted region is one byte range of the stored chunk (the whole chunk, or
-            # whole rows of it when resharding along dim 0): read just that range.
+            # whole rows of it when resharding along dim 0): read just that range, together
+            # with the other ranges of the file (one open per file and batch).
             start, length = rows
             direct = (
                 target.device.type == "cpu"
@@ -128,12 +138,7 @@ class ShardReader(StorageReader):
                 and target.numel() * target.element_size() == length
             )
             buffer = target if direct else torch.empty(tuple(req.lengths), dtype=dtype)
-            if length:
-                view = byte_view(buffer.reshape(-1).view(torch.uint8))
-                self.storage.read_into(location.file, location.offset + start, view)
-            self.bytes_read += length
-            if not direct:
-                _copy_checked(req, target, buffer)
+            batch.add(location.file, location.offset + start, req, target, buffer, direct)
         else:
             data = bytearray(self._read_item(location))
             if not data:
@@ -141,7 +146,52 @@ class ShardReader(StorageReader):
             else:
                 chunk = torch.frombuffer(data, dtype=dtype).view(sizes)
             _copy_checked(req, target, _narrow(chunk, req.storage_offsets, req.lengths))
-        planner.commit_tensor(req, target)
+            planner.commit_tensor(req, target)
+
+
+class _Batch:
+    """Byte ranges read together: per file, in offset order, with one
+    :meth:`Storage.read_ranges` call; then each destination is committed. Flushed when the
+    staging buffers it holds (regions that are not read in place) pass :data:`BATCH_BYTES`,
+    so a resharding load never holds more than that in extra memory."""
+
+    def __init__(self, storage: Storage, planner: LoadPlanner) -> None:
+        self.storage = storage
+        self.planner = planner
+        self.bytes_read = 0
+        self._ranges: dict[str, list[tuple[int, memoryview]]] = {}
+        self._pending: list[tuple[ReadItem, torch.Tensor, torch.Tensor, bool]] = []
+        self._buffered = 0
+
+    def add(
+        self,
+        file: str,
+        offset: int,
+        req: ReadItem,
+        target: torch.Tensor,
+        buffer: torch.Tensor,
+        direct: bool,
+    ) -> None:
+        length = buffer.numel() * buffer.element_size()
+        if length:
+            view = byte_view(buffer.reshape(-1).view(torch.uint8))
+            self._ranges.setdefault(file, []).append((offset, view))
+        self.bytes_read += length
+        self._pending.append((req, target, buffer, direct))
+        if not direct:
+            self._buffered += length
+            if self._buffered >= BATCH_BYTES:
+                self.flush()
+
+    def flush(self) -> None:
+        for file, ranges in self._ranges.items():
+            self.storage.read_ranges(file, ranges)
+        self._ranges.clear()
+        pending, self._pending, self._buffered = self._pending, [], 0
+        for req, target, buffer, direct in pending:
+            if not direct:
+                _copy_checked(req, target, buffer)
+            self.planner.commit_tensor(req, target)
 
 
 def _row_range(

@@ -153,15 +153,23 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
             pieces.setdefault(piece.device, []).append((i, piece))
     bodies: dict[int, memoryview] = {}
     for device, items in pieces.items():
-        if device.type == "cpu":
-            for i, piece in items:
-                bodies[i] = piece.numpy().data
+        if device.type != "cpu":  # one transfer per device
+            _concatenated(items, bodies)
             continue
-        host = torch.cat([piece for _, piece in items]).cpu().numpy()
-        offset = 0
+        # on the host, small pieces are concatenated in batches of at most _BATCH_BYTES (a
+        # numpy view per tensor costs more than copying 4 KB); larger ones are viewed in place
+        batch: list[tuple[int, torch.Tensor]] = []
+        size = 0
         for i, piece in items:
-            bodies[i] = host[offset : offset + piece.numel()].data
-            offset += piece.numel()
+            if piece.numel() > _SMALL_BYTES:
+                bodies[i] = piece.numpy().data
+                continue
+            batch.append((i, piece))
+            size += piece.numel()
+            if size >= _BATCH_BYTES:
+                _concatenated(batch, bodies)
+                batch, size = [], 0
+        _concatenated(batch, bodies)
     out = []
     for i, head in enumerate(heads):
         if i in failed:
@@ -173,6 +181,21 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
             hasher.update(body)
         out.append(hasher.intdigest() & MASK)
     return out
+
+
+_SMALL_BYTES = 64 << 10
+_BATCH_BYTES = 4 << 20
+
+
+def _concatenated(items: list[tuple[int, torch.Tensor]], bodies: dict[int, memoryview]) -> None:
+    """Host bytes of the 1-D uint8 ``items`` from one concatenation, into ``bodies``."""
+    if not items:
+        return
+    host = torch.cat([piece for _, piece in items]).cpu().numpy()
+    offset = 0
+    for i, piece in items:
+        bodies[i] = host[offset : offset + piece.numel()].data
+        offset += piece.numel()
 
 
 @functools.lru_cache(maxsize=512)
@@ -187,7 +210,11 @@ def _content(tensor: torch.Tensor) -> torch.Tensor | None:
     none (an empty or a meta tensor)."""
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return None
-    t = tensor.detach().resolve_conj().resolve_neg()
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
     n = t.numel()
     if n <= FULL_ELEMENTS:
         flat = t.reshape(-1)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 __all__ = [
@@ -177,8 +178,7 @@ def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostA
         if i in objects:
             target.copy_(torch.frombuffer(objects[i], dtype=torch.uint8))
         elif length:
-            source = planner.resolve_data(item)
-            assert isinstance(source, torch.Tensor)
+            source = _resolve_tensor(planner, item)
             source = source.detach()
             view = target.view(source.dtype).view(source.shape)
             view.copy_(source, non_blocking=source.device.type == "cuda")
@@ -198,15 +198,30 @@ def direct_payload(items: Sequence[WriteItem], planner: SavePlanner) -> Payload:
         if _is_object(item):
             views.append(_object_bytes(planner, item))
         else:
-            source = planner.resolve_data(item)
-            assert isinstance(source, torch.Tensor)
-            views.append(_tensor_bytes(source))
+            views.append(_tensor_bytes(_resolve_tensor(planner, item)))
     offsets, size = _layout([v.nbytes for v in views])
     placed = tuple(
         PayloadItem(item, off, view.nbytes, view)
         for item, off, view in zip(items, offsets, views, strict=True)
     )
     return Payload(placed, size)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """The tensor of ``item``. For DCP's own planner and a plain tensor, straight from its
+    flattened state: DCP's lookup probes every tensor for DTensor and ShardedTensor shards
+    (28 us a tensor, 0.3 s of a save of 20,000 small tensors)."""
+    if type(planner) is DefaultSavePlanner:
+        source = planner.state_dict.get(item.index.fqn)
+        offset = item.index.offset
+        if type(source) in _PLAIN and (offset is None or not any(offset)):
+            return source  # type: ignore[return-value]
+    source = planner.resolve_data(item)
+    assert isinstance(source, torch.Tensor)
+    return source
 
 
 def _arena_view(t: torch.Tensor) -> memoryview:

@@ -21,7 +21,7 @@ To add a backend: subclass :class:`Storage`, implement the abstract methods, and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +186,13 @@ class Storage:
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``rel`` from ``offset``; short is an error."""
         raise NotImplementedError
+
+    def read_ranges(self, rel: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, out)`` of ``ranges`` from ``rel`` (a load's reads of one file,
+        in offset order); short is an error. Backends that can open a file once for all of
+        them override this."""
+        for offset, out in ranges:
+            self.read_into(rel, offset, out)
 
     def hash_file(self, rel: str, algorithm: str) -> Written:
         """Size and checksum of ``rel``, read in chunks."""

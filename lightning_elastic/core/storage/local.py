@@ -15,7 +15,7 @@ import ctypes
 import errno
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from lightning_elastic.core.storage.base import Buffer, Entry, Storage, Written
@@ -158,6 +158,33 @@ class LocalStorage(Storage):
 
         got = self._call("read", rel, read)
         if got != want:
+            raise StorageError(
+                "read",
+                self.display(rel),
+                f"file ended after {got} of {want} bytes from offset {offset}",
+            )
+
+    def read_ranges(self, rel: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """One open for all of ``ranges`` (20,000 small tensors: 20,000 opens otherwise)."""
+        path = self.full(rel)
+
+        def read() -> tuple[int, int, int] | None:
+            fd = _no_follow(path, os.O_RDONLY)
+            try:
+                for offset, out in ranges:
+                    view, want, got = out.cast("B"), out.nbytes, 0
+                    while got < want:
+                        n = os.preadv(fd, [view[got:]], offset + got)
+                        if not n:
+                            return offset, got, want
+                        got += n
+            finally:
+                os.close(fd)
+            return None
+
+        short = self._call("read", rel, read)
+        if short is not None:
+            offset, got, want = short
             raise StorageError(
                 "read",
                 self.display(rel),
