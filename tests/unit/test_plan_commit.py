@@ -84,8 +84,22 @@ def test_a_cached_plan_still_writes_the_new_value_of_an_object(engine, plans) ->
         {"w": torch.ones(4), "renamed": torch.zeros(2)},  # a key renamed
         {"w": torch.ones(4), "b": torch.zeros(2), "empty": {}},  # only the skeleton
         {"w": torch.ones(4), "b": {0: torch.zeros(2)}},  # an int key where DCP sees "0"
+        {"w": torch.ones(4).requires_grad_(), "b": torch.zeros(2)},  # in DCP's properties
+        {"w": torch.ones(4), "b": "an object now"},  # same paths, a tensor became an object
+        {"w": torch.ones(2, 2), "b": torch.zeros(2)},  # same numel, another shape
     ],
-    ids=["shape", "dtype", "added", "removed", "renamed", "empty-dict", "key-type"],
+    ids=[
+        "shape",
+        "dtype",
+        "added",
+        "removed",
+        "renamed",
+        "empty-dict",
+        "key-type",
+        "requires-grad",
+        "tensor-to-object",
+        "reshaped",
+    ],
 )
 def test_a_structural_change_misses_the_cache_and_is_saved_exactly(engine, plans, changed) -> None:
     first = {"w": torch.ones(4), "b": torch.zeros(2)}
@@ -100,10 +114,39 @@ def test_a_structural_change_misses_the_cache_and_is_saved_exactly(engine, plans
     assert_same(loaded, changed)
 
 
+def test_the_reused_plan_reads_every_value_of_the_new_state(engine, plans) -> None:
+    """A reused plan resolves each FQN in the state being saved now, not in the cached one:
+    new tensor objects (a re-created optimizer state) and new values are what is written."""
+    nested = {f"layer{i}": {"w": torch.full((3,), float(i))} for i in range(5)}
+    engine.save({"model": nested, "steps": [1, 2]}, step=1).result()
+    fresh = {f"layer{i}": {"w": torch.full((3,), 10.0 + i)} for i in range(5)}
+    engine.save({"model": fresh, "steps": [3, 4, 5]}, step=2).result()
+    assert [p.cached for p in plans] == [False, True]
+    assert plans[1].planner.state_dict["model.layer4.w"] is fresh["layer4"]["w"]
+    loaded = engine.load().state
+    for i in range(5):
+        assert torch.equal(loaded["model"][f"layer{i}"]["w"], torch.full((3,), 10.0 + i))
+    assert loaded["steps"] == [3, 4, 5]
+
+
+def test_a_subclassed_tensor_never_matches_the_cached_leaves() -> None:
+    """A DTensor's plan depends on its placement: a subclass never reuses a plan."""
+    from lightning_elastic.core.save.plan import _leaves
+
+    class Sharded(torch.Tensor):
+        pass
+
+    leaves = _leaves({"a": torch.ones(2).as_subclass(Sharded), "b": torch.ones(2)})
+    assert leaves != _leaves({"a": torch.ones(2).as_subclass(Sharded), "b": torch.ones(2)})
+    assert _leaves({"b": torch.ones(2), "c": 3}) == _leaves({"b": torch.zeros(2), "c": "x"})
+
+
 def assert_same(a, b) -> None:
     assert type(a) is type(b)
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    elif not isinstance(a, dict):
+        assert a == b
     else:
         assert isinstance(a, dict) and list(a) == list(b)
         for key in a:

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -48,13 +50,17 @@ if TYPE_CHECKING:
 @dataclass
 class PlanCache:
     """The last successful plan of this rank (and, on rank 0, its DCP metadata and the
-    merged skeleton of every rank's state)."""
+    merged skeleton of every rank's state), with what its local plan was made from: DCP's
+    flattening of the state (FQN -> path) and the properties of every leaf the plan
+    depends on."""
 
     local: SavePlan
     skeleton: Skeleton
     final: SavePlan
     metadata: Metadata | None
     merged_skeleton: Skeleton
+    mappings: dict[str, tuple[Any, ...]] | None = None
+    leaves: tuple[Any, ...] | None = None
 
 
 def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest) -> PlannedSave:
@@ -68,18 +74,24 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
     local: SavePlan | None = None
     local_error: Exception | None = None
     shape: Skeleton = None
+    cache = ctx.plan_cache
+    leaves: tuple[Any, ...] | None = None
     try:
-        planner.set_up_planner(state_dict, None, coord.is_coordinator)
-        local = planner.create_local_plan()
         shape = describe(state_dict)
+        local = _reuse_local_plan(planner, state_dict, shape, cache, coord.is_coordinator)
+        if local is None:
+            planner.set_up_planner(state_dict, None, coord.is_coordinator)
+            local = planner.create_local_plan()
+            leaves = _leaves(planner.state_dict)
+        elif cache is not None:
+            leaves = cache.leaves
     except Exception as exc:  # re-raised on every rank by the full exchange below
         local_error = exc
-    cache = ctx.plan_cache
     unchanged = (
         local is not None
         and cache is not None
         and shape == cache.skeleton
-        and _same(local, cache.local)
+        and (local is cache.local or _same(local, cache.local))
     )
 
     attempt, save_int, name_error = 0, 0, None
@@ -125,7 +137,9 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
         )
         metadata, merged = kept.get("metadata"), kept.get("skeleton")
         assert local is not None
-        ctx.plan_cache = PlanCache(local, shape, final, metadata, merged)
+        ctx.plan_cache = PlanCache(
+            local, shape, final, metadata, merged, dict(planner.mappings), leaves
+        )
     return PlannedSave(
         request=request,
         name=name,
@@ -138,6 +152,64 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
         deadline=started + ctx.timeout_s,
         cached=not changed,
     )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _leaves(flat: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What DCP's local plan of the flattened state depends on, leaf by leaf: a plain
+    tensor's shape, dtype, layout, device, ``requires_grad`` and pinning (DCP's
+    ``TensorProperties``); for any other value only that it is not a tensor. A sharded or
+    subclassed tensor is never equal to anything, so its plan is always made anew."""
+    out: list[Any] = []
+    for value in flat.values():
+        if type(value) in _PLAIN:
+            out.append(
+                (
+                    value.shape,
+                    value.dtype,
+                    value.layout,
+                    value.device,
+                    value.requires_grad,
+                    value.is_pinned(),
+                )
+            )
+        elif isinstance(value, torch.Tensor) or hasattr(value, "__get_tensor_shard__"):
+            out.append(object())  # equal to nothing
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _reuse_local_plan(
+    planner: DefaultSavePlanner,
+    state_dict: dict[str, Any],
+    shape: Skeleton,
+    cache: PlanCache | None,
+    is_coordinator: bool,
+) -> SavePlan | None:
+    """The cached local plan, with ``planner`` set up as ``set_up_planner`` would have, when
+    the state has the cached skeleton (the same paths, hence DCP's same FQNs) and every leaf
+    the same plan-relevant properties: DCP's flattening and planning cost ~40 us a tensor
+    (0.8 s of every save of 20,000 tensors) and give the same plan. ``None``: plan anew."""
+    if cache is None or cache.mappings is None or cache.leaves is None or shape != cache.skeleton:
+        return None
+    flat: dict[str, Any] = {}
+    try:
+        for fqn, path in cache.mappings.items():
+            node: Any = state_dict
+            for key in path:
+                node = node[key]
+            flat[fqn] = node
+    except (KeyError, IndexError, TypeError):
+        return None
+    if _leaves(flat) != cache.leaves:
+        return None
+    planner.state_dict, planner.mappings = flat, dict(cache.mappings)
+    planner.is_coordinator = is_coordinator
+    planner.plan = cache.local
+    return cache.local
 
 
 def _same(a: SavePlan, b: SavePlan) -> bool:
