@@ -32,6 +32,7 @@ from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
+from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, Targets, load_checkpoint
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED, select_checkpoint
@@ -282,19 +283,20 @@ class CheckpointEngine:
         local = None if rank_state is None else _to_state_dict(rank_state)
         if local is not None and PER_RANK_VALUES_KEY in local:
             raise ConfigError(f"the rank_state key {PER_RANK_VALUES_KEY!r} is reserved")
-        split = self._replicas.split(self.coordinator, state_dict)
-        state_dict = split.state
-        if split.per_rank:
-            state_dict[PER_RANK_KEY] = encode_paths(split.per_rank)
-        if split.values:
-            local = {**(local or {}), PER_RANK_VALUES_KEY: split.values}
-        if local is not None:
-            state_dict[RANK_LOCAL_KEY] = {str(self.rank): local}
-        planned = plan_save(self._ctx, state_dict, request)
-        is_blocking = (not self.async_save) if blocking is None else blocking
-        stage_start = time.monotonic()
-        payload = stage_save(self._ctx, planned, copy=not is_blocking)
-        staging_s = time.monotonic() - stage_start
+        with paused_gc():  # the training thread waits here: see core/gcpause.py
+            split = self._replicas.split(self.coordinator, state_dict)
+            state_dict = split.state
+            if split.per_rank:
+                state_dict[PER_RANK_KEY] = encode_paths(split.per_rank)
+            if split.values:
+                local = {**(local or {}), PER_RANK_VALUES_KEY: split.values}
+            if local is not None:
+                state_dict[RANK_LOCAL_KEY] = {str(self.rank): local}
+            planned = plan_save(self._ctx, state_dict, request)
+            is_blocking = (not self.async_save) if blocking is None else blocking
+            stage_start = time.monotonic()
+            payload = stage_save(self._ctx, planned, copy=not is_blocking)
+            staging_s = time.monotonic() - stage_start
         future: Future[SaveResult]
         if is_blocking:
             future = Future()
@@ -414,17 +416,18 @@ class CheckpointEngine:
         if self._inflight is not None:
             self.wait()
         start = time.monotonic()
-        info = select_checkpoint(
-            self.storage,
-            self.catalog,
-            self.coordinator,
-            checkpoint,
-            verify,
-            run_id=None if checkpoint is not None else self._run_filter(),
-            skip_named=checkpoint is None
-            and not self._explicit_run
-            and (take_over if skip_named_runs is None else skip_named_runs),
-        )
+        with paused_gc():
+            info = select_checkpoint(
+                self.storage,
+                self.catalog,
+                self.coordinator,
+                checkpoint,
+                verify,
+                run_id=None if checkpoint is not None else self._run_filter(),
+                skip_named=checkpoint is None
+                and not self._explicit_run
+                and (take_over if skip_named_runs is None else skip_named_runs),
+            )
         if info is None:
             only = f" of run {self.run_id!r}" if self._explicit_run else ""
             raise CheckpointNotFoundError(

@@ -34,6 +34,7 @@ from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
 from lightning_elastic.core.format.manifest import Manifest
 from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
+from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.load.per_rank import PerRankRule, restore_per_rank
 from lightning_elastic.core.load.reader import ShardReader
 from lightning_elastic.core.load.safe import UnsafeObjectError, load_object, warn_trusted
@@ -111,6 +112,23 @@ def load_checkpoint(
     :class:`UnsafeCheckpointError`. ``trusted=True`` unpickles them with ``weights_only=False``
     (it can run code; logged).
     """
+    with paused_gc():  # see core/gcpause.py
+        return _load_checkpoint(
+            storage, coord, info, state, strict, verify_s, trusted, per_rank_rules, targets
+        )
+
+
+def _load_checkpoint(
+    storage: Storage,
+    coord: Coordinator,
+    info: CheckpointInfo,
+    state: dict[str, Any] | None,
+    strict: bool,
+    verify_s: float,
+    trusted: bool,
+    per_rank_rules: Sequence[PerRankRule],
+    targets: Targets | None,
+) -> LoadResult:
     assert info.manifest is not None
     if trusted:
         warn_trusted(info.location)

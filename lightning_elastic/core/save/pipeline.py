@@ -26,6 +26,7 @@ from typing import Any
 from lightning_elastic.core.dist.commit import commit_as_coordinator, encode_result
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.manifest import Manifest, RankRecord, shard_file_name
+from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.policy.housekeeping import after_commit
 from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
 from lightning_elastic.core.save.stage import Payload, direct_payload, stage_payload
@@ -116,10 +117,12 @@ def _write_and_report(
             staging_s,
             time.monotonic() - start,
         )
+        with paused_gc():  # CPU only: see core/gcpause.py
+            results = [] if shard is None else [encode_result(r) for r in shard.results]
         return {
             "ok": True,
             "file": None if shard is None else [shard.written.size, shard.written.checksum],
-            "results": [] if shard is None else [encode_result(r) for r in shard.results],
+            "results": results,
             "rank": dataclasses.asdict(record),
         }
     except Exception as exc:

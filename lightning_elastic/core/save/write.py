@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_elastic.core._compat import dcp_zstd_available
 from lightning_elastic.core.format.dcp_json import ItemLocation
+from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage, Written
 from lightning_elastic.errors import ConfigError
@@ -59,14 +60,15 @@ def write_shard(
         written = storage.write_stream(
             rel_path, payload.chunks, checksum=checksum, direct=payload.image is not None
         )
-        results = tuple(
-            WriteResult(
-                index=item.write_item.index,
-                size_in_bytes=item.length,
-                storage_data=ItemLocation(file_name, item.offset, item.length),
+        with paused_gc():  # CPU only, one result per item: see core/gcpause.py
+            results = tuple(
+                WriteResult(
+                    index=item.write_item.index,
+                    size_in_bytes=item.length,
+                    storage_data=ItemLocation(file_name, item.offset, item.length),
+                )
+                for item in payload.items
             )
-            for item in payload.items
-        )
         return ShardWrite(written, results)
 
     import zstandard

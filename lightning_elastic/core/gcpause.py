@@ -1,0 +1,46 @@
+"""Python's cyclic garbage collector, paused while a save or a load walks a large state.
+
+A state of 20,000 tensors makes every save and load create and hold some 10^5 Python objects
+(plan items, digests, payload views, metadata records) for the length of the call. The
+collector then runs again and again over the survivors: measured on 2 ranks with 20,000
+tensors of 4 KB, the blocking part of a save took 0.55-1.0 s with the collector and 0.34 s
+without it, a load 1.7 s and 0.71 s. Nothing we create in these sections needs the cycle
+collector (reference counting frees it), so the sections run with it paused.
+
+Which thread calls what: any thread may enter :func:`paused_gc`; the collector is process
+wide, so the first thread in pauses it and the last one out restores what it found (a
+collector the user had disabled stays disabled). Only sections that run for a bounded,
+CPU-bound time use it - never across a wait on storage or on other ranks in the background
+writer, where the training thread's garbage would pile up meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+__all__ = ["paused_gc"]
+
+_lock = threading.Lock()
+_depth = 0
+_was_enabled = False
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Run the block with the cyclic garbage collector paused (re-entrant, any thread)."""
+    global _depth, _was_enabled
+    with _lock:
+        if _depth == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _was_enabled:
+                gc.enable()
