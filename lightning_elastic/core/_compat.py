@@ -16,9 +16,12 @@ __all__ = [
     "dcp_extension_registry",
     "dcp_zstd_available",
     "elastic_agent_class",
+    "flatten_dense",
     "load_planner_mappings",
     "missing",
     "process_group_store",
+    "save_planner_state",
+    "set_up_save_planner",
     "torchrun_entry",
     "unmet",
 ]
@@ -32,6 +35,12 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("torch.distributed.checkpoint._extension", "ZStandard.is_available"),
     # DefaultLoadPlanner keeps the flattening map and the caller's dict as attributes
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner"),
+    # DefaultSavePlanner keeps the flattened state, its map and its plan as attributes: a
+    # reused plan sets them up without DCP's flattening (core/save/plan.py), and staging reads
+    # plain tensors from the flattened state (core/save/stage.py)
+    ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.set_up_planner"),
+    # many small tensors flattened in one C++ call (digests, core/save/digest.py)
+    ("torch._utils", "_flatten_dense_tensors"),
     # the launcher: torchrun's own argument parsing and run, with our agent class in place of
     # LocalElasticAgent (whose _monitor_workers it extends; SimpleElasticAgent keeps the
     # failure budget in the instance attribute _remaining_restarts, checked by the launcher
@@ -71,6 +80,29 @@ def load_planner_mappings(planner: Any) -> tuple[dict[str, Any], Any]:
     """``(flattened name -> original path, the caller's state dict)`` of a set-up
     ``DefaultLoadPlanner`` (its ``mappings`` and ``original_state_dict`` attributes)."""
     return planner.mappings, planner.original_state_dict
+
+
+def set_up_save_planner(
+    planner: Any, flat: dict[str, Any], mappings: dict[str, Any], is_coordinator: bool, plan: Any
+) -> None:
+    """Leave a ``DefaultSavePlanner`` as ``set_up_planner`` and ``create_local_plan`` would,
+    from a flattening and a local plan made earlier for the same structure."""
+    planner.state_dict, planner.mappings = flat, mappings
+    planner.is_coordinator = is_coordinator
+    planner.plan = plan
+
+
+def save_planner_state(planner: Any) -> dict[str, Any] | None:
+    """The flattened state (FQN -> value) of a set-up ``DefaultSavePlanner``."""
+    state = getattr(planner, "state_dict", None)
+    return state if isinstance(state, dict) else None
+
+
+def flatten_dense(tensors: list[Any]) -> Any:
+    """One contiguous 1-D tensor holding ``tensors`` (same dtype) one after another."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
 
 
 def torchrun_entry() -> tuple[Any, Any]:

@@ -143,6 +143,35 @@ def test_tensor_digests_see_content_shape_and_dtype() -> None:
     )
 
 
+def test_the_batched_path_for_small_host_tensors_gives_the_per_tensor_digests() -> None:
+    """Small plain host tensors are hashed from batches flattened per dtype; the same values
+    through the per-tensor path (a non-contiguous view, a tensor subclass) digest alike, in
+    any mix of dtypes and across batch boundaries (> 4 MiB)."""
+    from lightning_elastic.core.save import digest
+
+    torch.manual_seed(0)
+    plain = [
+        torch.randn(3, 5),
+        torch.tensor([True, False, True]),
+        torch.randn(7, dtype=torch.float64),
+        torch.randn(4).to(torch.bfloat16),
+        torch.arange(6, dtype=torch.int32),
+        *[torch.randn(FULL_ELEMENTS) for _ in range(20)],  # 5 MiB of float32: two batches
+        torch.randn(2, 3),
+    ]
+    assert all(digest._plain_small(t) for t in plain)
+
+    class Sub(torch.Tensor):
+        pass
+
+    other = [t.t().contiguous().t() if t.dim() == 2 else t.as_subclass(Sub) for t in plain]
+    assert not any(digest._plain_small(t) for t in other)
+    batched = tensor_digests(plain)
+    assert batched == tensor_digests(other)
+    assert batched == [tensor_digests([t])[0] for t in plain]
+    assert len(set(batched)) == len(batched)
+
+
 def test_a_value_that_cannot_be_encoded_is_different_every_time() -> None:
     unpicklable = {"f": lambda: None}
     assert value_digest(unpicklable) != value_digest(unpicklable)  # stored per rank: safe

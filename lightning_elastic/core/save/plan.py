@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from lightning_elastic.core._compat import save_planner_state, set_up_save_planner
 from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import checkpoint_name, holds_checkpoint_files
 from lightning_elastic.core.format.manifest import (
@@ -82,7 +83,7 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
         if local is None:
             planner.set_up_planner(state_dict, None, coord.is_coordinator)
             local = planner.create_local_plan()
-            leaves = _leaves(planner.state_dict)
+            leaves = _leaves(save_planner_state(planner) or {})
         elif cache is not None:
             leaves = cache.leaves
     except Exception as exc:  # re-raised on every rank by the full exchange below
@@ -206,9 +207,7 @@ def _reuse_local_plan(
         return None
     if _leaves(flat) != cache.leaves:
         return None
-    planner.state_dict, planner.mappings = flat, dict(cache.mappings)
-    planner.is_coordinator = is_coordinator
-    planner.plan = cache.local
+    set_up_save_planner(planner, flat, dict(cache.mappings), is_coordinator, cache.local)
     return cache.local
 
 
