@@ -1,0 +1,52 @@
+"""8 and 16 ranks on this 2-core machine (oversubscribed, small state, #10 item 3): save,
+load at another world size, a rank killed before the commit, a stalled rank named."""
+
+import pytest
+
+from lightning_elastic.errors import CheckpointTimeoutError
+from lightning_elastic.testing.faults import Fault
+from lightning_elastic.testing.spawn import run_distributed
+from tests.distributed import many_workers, workers
+from tests.faults.test_faults import statuses
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(8, 3), (16, 5)])
+def test_many_ranks_save_and_load_at_another_world_size(tmp_path, saved, loaded) -> None:
+    """Every replicated and resharded value comes back (12 rows over 8 or 16 ranks: some
+    ranks hold no row); each of the first ``loaded`` ranks gets its own rank-local state."""
+    root = str(tmp_path / "ckpts")
+    saves = run_distributed(workers.save_two_ranks, saved, root, timeout=300)
+    assert saves[0]["world_size"] == saved
+    results = run_distributed(workers.load_any_world, loaded, root, timeout=300)
+    assert {r["name"] for r in results} == {"step_000000010"}
+    assert [r["saved_world"] for r in results] == [saved] * loaded
+    assert [r["rank_state"] for r in results] == list(range(loaded))
+
+
+def test_eight_ranks_one_killed_before_the_commit(tmp_path) -> None:
+    faults = [Fault("closed", "*rank00005.distcp", "kill", ranks=(5,))]
+    results = run_distributed(
+        many_workers.save_then_fault, 8, str(tmp_path), faults, 8.0, may_die={5}, timeout=300
+    )
+    assert results[5] is None  # SIGKILLed
+    for rank in set(range(8)) - {5}:
+        exc = results[rank]["error"]
+        assert isinstance(exc, CheckpointTimeoutError), results[rank]
+        assert exc.missing_ranks == [5]
+    assert statuses(tmp_path) == {"step_000000001": "valid", "step_000000002": "incomplete"}
+
+
+def test_eight_ranks_a_stalled_rank_is_named_in_the_timeout(tmp_path) -> None:
+    faults = [Fault("closed", "*rank00006.distcp", "stall", seconds=30.0, ranks=(6,))]
+    results = run_distributed(
+        many_workers.save_then_fault, 8, str(tmp_path), faults, 8.0, timeout=300
+    )
+    for rank in set(range(8)) - {6}:
+        exc = results[rank]["error"]
+        assert isinstance(exc, CheckpointTimeoutError), results[rank]
+        assert exc.missing_ranks == [6] and "rank 6" in str(exc)
+        assert results[rank]["elapsed"] < 30.0  # before the straggler even woke up
+    assert isinstance(results[6]["error"], CheckpointTimeoutError)
+    assert statuses(tmp_path).get("step_000000002") != "valid"
