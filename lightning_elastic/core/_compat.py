@@ -17,6 +17,7 @@ __all__ = [
     "dcp_zstd_available",
     "elastic_agent_class",
     "flatten_dense",
+    "foreach_copy",
     "load_planner_mappings",
     "missing",
     "process_group_store",
@@ -39,8 +40,10 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # reused plan sets them up without DCP's flattening (core/save/plan.py), and staging reads
     # plain tensors from the flattened state (core/save/stage.py)
     ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.set_up_planner"),
-    # many small tensors flattened in one C++ call (digests, core/save/digest.py)
+    # many small tensors flattened in one C++ call (digests, core/save/digest.py), and
+    # copied in one (staging, core/save/stage.py)
     ("torch._utils", "_flatten_dense_tensors"),
+    ("torch", "_foreach_copy_"),
     # the launcher: torchrun's own argument parsing and run, with our agent class in place of
     # LocalElasticAgent (whose _monitor_workers it extends; SimpleElasticAgent keeps the
     # failure budget in the instance attribute _remaining_restarts, checked by the launcher
@@ -103,6 +106,13 @@ def flatten_dense(tensors: list[Any]) -> Any:
     from torch._utils import _flatten_dense_tensors
 
     return _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
+
+
+def foreach_copy(targets: list[Any], sources: list[Any]) -> None:
+    """``target.copy_(source)`` for every pair, in one call."""
+    import torch
+
+    torch._foreach_copy_(targets, sources)
 
 
 def torchrun_entry() -> tuple[Any, Any]:

@@ -8,6 +8,7 @@ from lightning_elastic.testing.faults import Fault
 from lightning_elastic.testing.spawn import run_distributed
 from tests.distributed import many_workers, workers
 from tests.faults.test_faults import statuses
+from tests.faults.workers import save_good_then_faulty
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -28,7 +29,14 @@ def test_many_ranks_save_and_load_at_another_world_size(tmp_path, saved, loaded)
 def test_eight_ranks_one_killed_before_the_commit(tmp_path) -> None:
     faults = [Fault("closed", "*rank00005.distcp", "kill", ranks=(5,))]
     results = run_distributed(
-        many_workers.save_then_fault, 8, str(tmp_path), faults, 8.0, may_die={5}, timeout=300
+        save_good_then_faulty,
+        8,
+        str(tmp_path),
+        faults,
+        8.0,
+        many_workers.every_rank_writes,
+        may_die={5},
+        timeout=300,
     )
     assert results[5] is None  # SIGKILLed
     for rank in set(range(8)) - {5}:
@@ -41,7 +49,13 @@ def test_eight_ranks_one_killed_before_the_commit(tmp_path) -> None:
 def test_eight_ranks_a_stalled_rank_is_named_in_the_timeout(tmp_path) -> None:
     faults = [Fault("closed", "*rank00006.distcp", "stall", seconds=30.0, ranks=(6,))]
     results = run_distributed(
-        many_workers.save_then_fault, 8, str(tmp_path), faults, 8.0, timeout=300
+        save_good_then_faulty,
+        8,
+        str(tmp_path),
+        faults,
+        8.0,
+        many_workers.every_rank_writes,
+        timeout=300,
     )
     for rank in set(range(8)) - {6}:
         exc = results[rank]["error"]

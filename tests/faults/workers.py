@@ -1,6 +1,7 @@
 """Rank functions for the fault tests: each returns what it saw (errors included)."""
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -22,17 +23,20 @@ def _state(step: int) -> dict:
     return {"w": torch.full((1000,), float(step)), "meta": {"step": step}}
 
 
-def save_good_then_faulty(root: str, faults: list[Fault], timeout_s: float = 30.0) -> dict:
-    """Commit step 1 cleanly, then attempt step 2 with ``faults`` armed for it."""
+def save_good_then_faulty(
+    root: str, faults: list[Fault], timeout_s: float = 30.0, state: Callable[[int], dict] = _state
+) -> dict:
+    """Commit step 1 cleanly, then attempt step 2 with ``faults`` armed for it (``state``:
+    the state of a step)."""
     eng = _engine(root, [], timeout_s)
-    eng.save(_state(1), step=1).result()
+    eng.save(state(1), step=1).result()
     eng.close()
     dist.barrier()
     eng = _engine(root, faults, timeout_s)
     start = time.monotonic()
     outcome: dict = {"rank": dist.get_rank()}
     try:
-        result = eng.save(_state(2), step=2).result()
+        result = eng.save(state(2), step=2).result()
         outcome["committed"] = result.name
     except Exception as exc:
         outcome["error"] = exc

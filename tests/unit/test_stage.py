@@ -193,3 +193,54 @@ def test_padding_is_zero_after_a_save_with_a_different_layout_reused_the_arena()
     assert arena.allocations == 1
     assert bytes(payload.image)[12:64] == bytes(52)  # observed: 7.0f from the first save
     assert image(payload) == image(direct_payload(items, planner))
+
+
+# ---------------------------------------------------------------- the reused layout
+
+
+def restage(items, planner: DefaultSavePlanner, state: dict, arena: HostArena) -> Payload:
+    """Stage ``state`` with the same plan items, as a reused plan does (core/save/plan.py)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    planner.state_dict, _ = flatten_state_dict(state)
+    return stage_payload(items, planner, arena)
+
+
+def test_the_same_plan_reuses_the_layout_and_writes_the_new_values() -> None:
+    arena = HostArena()
+    first = odd_state()
+    items, planner = planned(first)
+    stage_payload(items, planner, arena)
+    program = arena.program
+    second = odd_state()
+    second["a"] = torch.arange(5, dtype=torch.float32) * 10
+    second["c"] = torch.full((3, 2), 3.0, dtype=torch.bfloat16).t()  # non-contiguous source
+    second["obj"] = {"k": "w"}  # an object of the same length
+    payload = restage(items, planner, second, arena)
+    assert arena.program is program  # the layout was reused
+    assert image(payload) == image(direct_payload(items, planner))  # padding zero as well
+    assert bytes(payload.items[0].data) == second["a"].numpy().tobytes()
+
+
+def test_a_new_length_or_a_new_buffer_lays_the_items_out_again() -> None:
+    arena = HostArena(headroom=0.0)
+    items, planner = planned({"x": torch.ones(3), "obj": "short"})
+    stage_payload(items, planner, arena)
+    program = arena.program
+    payload = restage(items, planner, {"x": torch.ones(3), "obj": "longer" * 1000}, arena)
+    assert arena.program is not program
+    assert image(payload) == image(direct_payload(items, planner))
+    arena.release()
+    assert arena.program is None  # the old layout does not keep the old buffer alive
+    payload = stage_payload(items, planner, arena)
+    assert image(payload) == image(direct_payload(items, planner))
+
+
+def test_a_state_that_no_longer_matches_the_plan_is_refused() -> None:
+    import pytest
+
+    arena = HostArena()
+    items, planner = planned({"x": torch.ones(4)})
+    stage_payload(items, planner, arena)
+    with pytest.raises(ValueError, match="x: the state holds torch.float64"):
+        restage(items, planner, {"x": torch.ones(4, dtype=torch.float64)}, arena)

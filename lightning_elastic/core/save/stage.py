@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
-from lightning_elastic.core._compat import save_planner_state
+from lightning_elastic.core._compat import foreach_copy, save_planner_state
 
 __all__ = [
     "ALIGNMENT",
@@ -90,6 +90,7 @@ class HostArena:
         self.headroom = headroom
         self.allocations = 0
         self._buffer: torch.Tensor | None = None
+        self.program: _Program | None = None  # the last save's layout on this buffer
 
     @property
     def capacity(self) -> int:
@@ -100,7 +101,7 @@ class HostArena:
     def reserve(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` backed by the arena (reallocated only to grow)."""
         if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = None  # release the old buffer before allocating the new one
+            self._buffer = self.program = None  # release the old buffer before allocating
             size = _align(int(nbytes * (1 + self.headroom)) + ALIGNMENT)
             self._buffer = _host_buffer(size, pin_memory=self.pin_memory)
             self.allocations += 1
@@ -108,7 +109,7 @@ class HostArena:
 
     def release(self) -> None:
         """Drop the buffer (the next :meth:`reserve` allocates a new one)."""
-        self._buffer = None
+        self._buffer = self.program = None
 
 
 def _host_buffer(size: int, *, pin_memory: bool) -> torch.Tensor:
@@ -163,34 +164,100 @@ def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
 
 
 def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostArena) -> Payload:
-    """Copy this rank's items into ``arena``; the result no longer aliases live tensors."""
+    """Copy this rank's items into ``arena``; the result no longer aliases live tensors.
+
+    The layout (offsets, padding, destination views, payload items) is kept on the arena as a
+    :class:`_Program` and reused while the plan's item list, every item's length and the
+    buffer stay the same - a reused plan (``core/save/plan.py``) keeps its item list - so a
+    steady save copies with one ``_foreach_copy_`` instead of slicing and viewing the arena
+    per item (0.1 s of every save of 20,000 tensors)."""
     objects = {i: _object_bytes(planner, it) for i, it in enumerate(items) if _is_object(it)}
     lengths = [objects[i].nbytes if i in objects else _nbytes(it) for i, it in enumerate(items)]
     offsets, size = _layout(lengths)
     image = arena.reserve(size)
-    placed = []
+    program = arena.program
+    if program is None or not program.fits(items, lengths, image):
+        program = arena.program = _Program.build(items, lengths, offsets, size, image)
+    for i, data in objects.items():
+        program.slots[i].copy_(torch.frombuffer(data, dtype=torch.uint8))
+    host_targets, host_sources = [], []
     needs_sync = False
-    end = 0
-    for i, item in enumerate(items):
-        offset, length = offsets[i], lengths[i]
-        if offset > end:  # alignment padding: zero it, a reused arena holds older bytes
-            image[end:offset].zero_()
-        end = offset + length
-        target = image[offset:end]
-        if i in objects:
-            target.copy_(torch.frombuffer(objects[i], dtype=torch.uint8))
-        elif length:
-            source = _resolve_tensor(planner, item)
-            source = source.detach()
-            view = target.view(source.dtype).view(source.shape)
-            view.copy_(source, non_blocking=source.device.type == "cuda")
-            needs_sync = needs_sync or source.device.type == "cuda"
-        placed.append(PayloadItem(item, offset, length, _arena_view(target)))
-    if size > end:
-        image[end:size].zero_()
+    with torch.no_grad():
+        for i, target in zip(program.tensors, program.targets, strict=True):
+            source = _resolve_tensor(planner, items[i])
+            if source.dtype != target.dtype or source.shape != target.shape:
+                raise ValueError(
+                    f"{items[i].index.fqn}: the state holds {source.dtype} {tuple(source.shape)}, "
+                    f"the plan {target.dtype} {tuple(target.shape)}"
+                )
+            if source.device.type == "cpu":
+                host_targets.append(target)
+                host_sources.append(source)
+            else:
+                target.copy_(source, non_blocking=source.device.type == "cuda")
+                needs_sync = needs_sync or source.device.type == "cuda"
+        if host_targets:
+            foreach_copy(host_targets, host_sources)
     if needs_sync:
         torch.cuda.synchronize()
-    return Payload(tuple(placed), size, _arena_view(image))
+    return Payload(program.placed, size, program.image)
+
+
+@dataclass
+class _Program:
+    """How one plan's items lie in one arena buffer: a slot per item, the typed destination
+    view of each tensor item, and the payload items (see :func:`stage_payload`)."""
+
+    items: Sequence[WriteItem]
+    lengths: list[int]
+    buffer_ptr: int
+    size: int
+    slots: list[torch.Tensor]  # uint8 view of each item's bytes
+    tensors: list[int]  # indices of the tensor items with bytes
+    targets: list[torch.Tensor]  # their destination views (dtype and shape of the item)
+    placed: tuple[PayloadItem, ...]
+    image: memoryview
+
+    def fits(self, items: Sequence[WriteItem], lengths: list[int], image: torch.Tensor) -> bool:
+        return (
+            items is self.items
+            and lengths == self.lengths
+            and image.data_ptr() == self.buffer_ptr
+            and image.numel() == self.size
+        )
+
+    @classmethod
+    def build(
+        cls,
+        items: Sequence[WriteItem],
+        lengths: list[int],
+        offsets: list[int],
+        size: int,
+        image: torch.Tensor,
+    ) -> _Program:
+        """Lay the items out in ``image``; zero every byte between them once (a reused arena
+        holds older bytes, and nothing but the items' copies writes it while this holds)."""
+        whole = _arena_view(image)
+        slots, tensors, targets, placed = [], [], [], []
+        end = 0
+        for i, item in enumerate(items):
+            offset, length = offsets[i], lengths[i]
+            if offset > end:
+                image[end:offset].zero_()
+            end = offset + length
+            slot = image[offset:end]
+            slots.append(slot)
+            if not _is_object(item) and length:
+                assert item.tensor_data is not None
+                dtype = item.tensor_data.properties.dtype
+                tensors.append(i)
+                targets.append(slot.view(dtype).view(item.tensor_data.chunk.sizes))
+            placed.append(PayloadItem(item, offset, length, whole[offset:end]))
+        if size > end:
+            image[end:size].zero_()
+        return cls(
+            items, lengths, image.data_ptr(), size, slots, tensors, targets, tuple(placed), whole
+        )
 
 
 def direct_payload(items: Sequence[WriteItem], planner: SavePlanner) -> Payload:
