@@ -26,8 +26,10 @@ def test_many_ranks_save_and_load_at_another_world_size(tmp_path, saved, loaded)
     assert [r["rank_state"] for r in results] == list(range(loaded))
 
 
-def test_eight_ranks_one_killed_before_the_commit(tmp_path) -> None:
-    faults = [Fault("closed", "*rank00005.distcp", "kill", ranks=(5,))]
+def eight_ranks_with(tmp_path, fault: str, guilty: int, **fault_options) -> list:
+    """Save step 1 on 8 ranks, then step 2 with ``fault`` on ``guilty``'s shard file; every
+    other rank must time out naming ``guilty`` alone."""
+    faults = [Fault("closed", f"*rank{guilty:05d}.distcp", fault, ranks=(guilty,), **fault_options)]
     results = run_distributed(
         save_good_then_faulty,
         8,
@@ -35,32 +37,25 @@ def test_eight_ranks_one_killed_before_the_commit(tmp_path) -> None:
         faults,
         8.0,
         many_workers.every_rank_writes,
-        may_die={5},
+        may_die={guilty} if fault == "kill" else set(),
         timeout=300,
     )
-    assert results[5] is None  # SIGKILLed
-    for rank in set(range(8)) - {5}:
+    for rank in set(range(8)) - {guilty}:
         exc = results[rank]["error"]
         assert isinstance(exc, CheckpointTimeoutError), results[rank]
-        assert exc.missing_ranks == [5]
+        assert exc.missing_ranks == [guilty] and f"rank {guilty}" in str(exc)
+    return results
+
+
+def test_eight_ranks_one_killed_before_the_commit(tmp_path) -> None:
+    results = eight_ranks_with(tmp_path, "kill", 5)
+    assert results[5] is None  # SIGKILLed
     assert statuses(tmp_path) == {"step_000000001": "valid", "step_000000002": "incomplete"}
 
 
 def test_eight_ranks_a_stalled_rank_is_named_in_the_timeout(tmp_path) -> None:
-    faults = [Fault("closed", "*rank00006.distcp", "stall", seconds=30.0, ranks=(6,))]
-    results = run_distributed(
-        save_good_then_faulty,
-        8,
-        str(tmp_path),
-        faults,
-        8.0,
-        many_workers.every_rank_writes,
-        timeout=300,
-    )
+    results = eight_ranks_with(tmp_path, "stall", 6, seconds=30.0)
     for rank in set(range(8)) - {6}:
-        exc = results[rank]["error"]
-        assert isinstance(exc, CheckpointTimeoutError), results[rank]
-        assert exc.missing_ranks == [6] and "rank 6" in str(exc)
         assert results[rank]["elapsed"] < 30.0  # before the straggler even woke up
     assert isinstance(results[6]["error"], CheckpointTimeoutError)
     assert statuses(tmp_path).get("step_000000002") != "valid"

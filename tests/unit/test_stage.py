@@ -242,5 +242,5 @@ def test_a_state_that_no_longer_matches_the_plan_is_refused() -> None:
     arena = HostArena()
     items, planner = planned({"x": torch.ones(4)})
     stage_payload(items, planner, arena)
-    with pytest.raises(ValueError, match="x: the state holds torch.float64"):
+    with pytest.raises(ValueError, match=r"x: the state holds torch\.float64"):
         restage(items, planner, {"x": torch.ones(4, dtype=torch.float64)}, arena)
