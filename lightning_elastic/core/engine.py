@@ -416,18 +416,17 @@ class CheckpointEngine:
         if self._inflight is not None:
             self.wait()
         start = time.monotonic()
-        with paused_gc():
-            info = select_checkpoint(
-                self.storage,
-                self.catalog,
-                self.coordinator,
-                checkpoint,
-                verify,
-                run_id=None if checkpoint is not None else self._run_filter(),
-                skip_named=checkpoint is None
-                and not self._explicit_run
-                and (take_over if skip_named_runs is None else skip_named_runs),
-            )
+        info = select_checkpoint(
+            self.storage,
+            self.catalog,
+            self.coordinator,
+            checkpoint,
+            verify,
+            run_id=None if checkpoint is not None else self._run_filter(),
+            skip_named=checkpoint is None
+            and not self._explicit_run
+            and (take_over if skip_named_runs is None else skip_named_runs),
+        )
         if info is None:
             only = f" of run {self.run_id!r}" if self._explicit_run else ""
             raise CheckpointNotFoundError(

@@ -9,9 +9,11 @@ collector (reference counting frees it), so the sections run with it paused.
 
 Which thread calls what: any thread may enter :func:`paused_gc`; the collector is process
 wide, so the first thread in pauses it and the last one out restores what it found (a
-collector the user had disabled stays disabled). Only sections that run for a bounded,
-CPU-bound time use it - never across a wait on storage or on other ranks in the background
-writer, where the training thread's garbage would pile up meanwhile.
+collector the user had disabled stays disabled). Two kinds of sections use it: calls the
+training thread waits in anyway (the blocking part of a save; loading a selected checkpoint,
+reads included), and the background writer's CPU-only steps (building write results and
+the metadata). Never the writer's waits on storage or on other ranks: training runs
+meanwhile, and its cyclic garbage would pile up for as long as the pause.
 """
 
 from __future__ import annotations

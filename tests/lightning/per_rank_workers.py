@@ -90,12 +90,12 @@ class ShardedLoaderModule(TinyModule):
         shard = Subset(IdDataset(n), list(range(rank, n, world)))
         sampler = ShardShuffle(len(shard), seed=1000 + rank)
         workers = getattr(self, "loader_workers", 0)
-        return StatefulDataLoader(  # fork: see streaming_workers.StreamingModule
+        return StatefulDataLoader(  # spawn: see streaming_workers.StreamingModule
             shard,
             batch_size=self.hparams.batch_size,
             sampler=sampler,
             num_workers=workers,
-            multiprocessing_context="fork" if workers else None,
+            multiprocessing_context="spawn" if workers else None,
         )
 
 

@@ -61,14 +61,16 @@ class StreamingModule(TinyModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = ElasticShardedIterable(self.shards, COUNTS, read_samples, shuffle=True)
-        # fork, as under torchrun: in a run_distributed rank (a forkserver child) the default
-        # would be a forkserver, which outlives a SIGKILLed rank together with its workers
+        # spawn: a worker forked from a rank can hang inside os.fork() itself on CPython
+        # 3.11.7 (gh-112275, seen in CI; tests/lightning/test_forking_workers.py), and the
+        # default in a run_distributed rank (a forkserver child) would be a forkserver, which
+        # outlives a SIGKILLed rank; spawned workers leave when their rank dies
         return DataLoader(
             dataset,
             batch_size=self.hparams.batch_size,
             num_workers=self.workers,
             persistent_workers=self.persistent,
-            multiprocessing_context="fork" if self.workers else None,
+            multiprocessing_context="spawn" if self.workers else None,
         )
 
 
