@@ -9,7 +9,10 @@ collector (reference counting frees it), so the sections run with it paused.
 
 Which thread calls what: any thread may enter :func:`paused_gc`; the collector is process
 wide, so the first thread in pauses it and the last one out restores what it found (a
-collector the user had disabled stays disabled). Two kinds of sections use it: calls the
+collector the user had disabled stays disabled; one the user disables while another thread
+is inside a pause is enabled again when that pause ends). A child forked during a pause (a
+DataLoader worker while the writer builds metadata) starts with the collector as it was
+before the pause. Two kinds of sections use it: calls the
 training thread waits in anyway (the blocking part of a save; loading a selected checkpoint,
 reads included), and the background writer's CPU-only steps (building write results and
 the metadata). Never the writer's waits on storage or on other ranks: training runs
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -28,6 +32,21 @@ __all__ = ["paused_gc"]
 _lock = threading.Lock()
 _depth = 0
 _was_enabled = False
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while some thread was inside a pause has only the forking thread: it
+    starts with no pause held, a fresh lock, and the collector as it was before the pause."""
+    global _lock, _depth
+    _lock = threading.Lock()
+    if _depth:
+        _depth = 0
+        if _was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

@@ -129,6 +129,46 @@ def test_the_reused_plan_reads_every_value_of_the_new_state(engine, plans) -> No
     assert loaded["steps"] == [3, 4, 5]
 
 
+def test_a_reused_plan_looks_leaves_up_by_the_states_own_keys(engine, plans) -> None:
+    """DCP's FQN paths hold str(key): a Counter or defaultdict with int keys would answer
+    "3" with a made-up 0 instead of the value under 3 (found by review)."""
+    from collections import Counter, defaultdict
+
+    def state(i: int) -> dict:
+        return {
+            "counts": Counter({1: 15 + i, 2: 7}),
+            "hits": defaultdict(int, {3: 10 + i, 7: 20 + i}),
+            "table": defaultdict(lambda: torch.zeros(3), {5: torch.full((3,), float(i))}),
+        }
+
+    for i in range(3):
+        saved = state(i)
+        engine.save(saved, step=i + 1).result()
+        assert dict(saved["hits"]) == {3: 10 + i, 7: 20 + i}  # nothing added by a lookup
+    assert [p.cached for p in plans] == [False, True, True]
+    loaded = engine.load().state
+    assert loaded["counts"] == {1: 17, 2: 7} and loaded["hits"] == {3: 12, 7: 22}
+    assert torch.equal(loaded["table"][5], torch.full((3,), 2.0))
+
+
+def test_an_optimizer_state_with_int_keys_reuses_the_local_plan(engine, monkeypatch) -> None:
+    from lightning_elastic.core.save import plan as plan_module
+
+    calls = []
+    real = plan_module.DefaultSavePlanner.set_up_planner
+    monkeypatch.setattr(
+        plan_module.DefaultSavePlanner,
+        "set_up_planner",
+        lambda self, *a, **k: calls.append(1) or real(self, *a, **k),
+    )
+    for i in range(3):
+        optim = {"state": {0: {"exp_avg": torch.full((2,), float(i))}}, "groups": [{"lr": 0.1}]}
+        engine.save({"optim": optim}, step=i + 1).result()
+    assert len(calls) == 1  # DCP flattened and planned the first save only
+    loaded = engine.load().state
+    assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], torch.full((2,), 2.0))
+
+
 def test_a_subclassed_tensor_never_matches_the_cached_leaves() -> None:
     """A DTensor's plan depends on its placement: a subclass never reuses a plan."""
     from lightning_elastic.core.save.plan import _leaves

@@ -172,6 +172,20 @@ def test_the_batched_path_for_small_host_tensors_gives_the_per_tensor_digests() 
     assert len(set(batched)) == len(batched)
 
 
+def test_quantized_tensors_differing_only_in_scale_never_look_equal() -> None:
+    """Their int_repr is equal; hashing it would restore one rank's value on the other
+    (found by review): they are treated as different everywhere instead."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized dtypes
+        warnings.simplefilter("ignore", UserWarning)
+        a = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+        b = torch.quantize_per_tensor(torch.ones(4) * 2, 0.2, 0, torch.qint8)
+    assert torch.equal(a.int_repr(), b.int_repr())
+    assert tensor_digests([a]) != tensor_digests([b])
+    assert tensor_digests([a]) != tensor_digests([a])  # unique every time: kept per rank
+
+
 def test_a_value_that_cannot_be_encoded_is_different_every_time() -> None:
     unpicklable = {"f": lambda: None}
     assert value_digest(unpicklable) != value_digest(unpicklable)  # stored per rank: safe

@@ -238,7 +238,8 @@ def _count_reads(storage: Storage, update: Callable[[int], Any]) -> None:
 
     storage.read_bytes = counted_bytes  # type: ignore[method-assign]
     storage.read_into = counted_into  # type: ignore[method-assign]
-    storage.read_ranges = counted_ranges  # type: ignore[method-assign]
+    if type(storage).read_ranges is not Storage.read_ranges:  # the base one calls read_into
+        storage.read_ranges = counted_ranges  # type: ignore[method-assign]
 
 
 class _CountingFile:

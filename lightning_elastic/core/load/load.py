@@ -140,7 +140,7 @@ def _load_checkpoint(
         state = _template(metadata, skeleton, (), targets) or {}
         state.pop(RANK_LOCAL_KEY, None)
         strict = True
-    if state:
+    if state or coord.distributed:  # a rank with nothing to load still takes part in the agreement
         planner = _LoadPlanner(allow_partial_load=not strict, trusted=trusted)
         _dcp_load(state, reader, planner, coord, info)
     rank_state = None

@@ -150,14 +150,16 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     pieces: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     failed: set[int] = set()
     bodies: dict[int, memoryview] = {}
+    done: dict[int, int] = {}  # digests of the batched small tensors
     small: dict[torch.dtype, _Batch] = {}
     for i, tensor in enumerate(tensors):
-        heads.append(_head(tensor.dtype, tensor.shape))
+        head = _head(tensor.dtype, tensor.shape)
+        heads.append(head)
         if _plain_small(tensor):
             batch = small.get(tensor.dtype)
             if batch is None:
                 batch = small[tensor.dtype] = _Batch()
-            batch.add(i, tensor, bodies)
+            batch.add(i, head, tensor, done)
             continue
         try:
             piece = _content(tensor)
@@ -167,7 +169,7 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
         if piece is not None:
             pieces.setdefault(piece.device, []).append((i, piece))
     for batch in small.values():
-        batch.flush(bodies)
+        batch.flush(done)
     for device, items in pieces.items():
         if device.type != "cpu":  # one transfer per device
             host = torch.cat([piece for _, piece in items]).cpu().numpy()
@@ -182,6 +184,9 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     for i, head in enumerate(heads):
         if i in failed:
             out.append(unique_digest())
+            continue
+        if i in done:
+            out.append(done[i])
             continue
         hasher = xxhash.xxh3_64(head)
         body = bodies.get(i)
@@ -204,6 +209,7 @@ def _plain_small(t: torch.Tensor) -> bool:
     return (
         type(t) is torch.Tensor
         and t.layout is torch.strided
+        and not t.is_quantized
         and t.device.type == "cpu"
         and 0 < t.numel() <= FULL_ELEMENTS
         and t.is_contiguous()
@@ -213,28 +219,31 @@ def _plain_small(t: torch.Tensor) -> bool:
 
 
 class _Batch:
-    """Small host tensors of one dtype, flattened together when they reach _BATCH_BYTES."""
+    """Small host tensors of one dtype, flattened together when they reach _BATCH_BYTES and
+    hashed at once (only the digests outlive the batch: one batch of memory at a time)."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, torch.Tensor]] = []
+        self.items: list[tuple[int, bytes, torch.Tensor]] = []
         self.size = 0
 
-    def add(self, i: int, tensor: torch.Tensor, bodies: dict[int, memoryview]) -> None:
-        self.items.append((i, tensor))
+    def add(self, i: int, head: bytes, tensor: torch.Tensor, done: dict[int, int]) -> None:
+        self.items.append((i, head, tensor))
         self.size += tensor.numel() * tensor.element_size()
         if self.size >= _BATCH_BYTES:
-            self.flush(bodies)
+            self.flush(done)
 
-    def flush(self, bodies: dict[int, memoryview]) -> None:
+    def flush(self, done: dict[int, int]) -> None:
         if not self.items:
             return
         with torch.no_grad():
-            flat = flatten_dense([t for _, t in self.items])
+            flat = flatten_dense([t for _, _, t in self.items])
         host = memoryview(flat.view(torch.uint8).numpy())
         offset = 0
-        for i, tensor in self.items:
+        for i, head, tensor in self.items:
             n = tensor.numel() * tensor.element_size()
-            bodies[i] = host[offset : offset + n]
+            hasher = xxhash.xxh3_64(head)
+            hasher.update(host[offset : offset + n])
+            done[i] = hasher.intdigest() & MASK
             offset += n
         self.items, self.size = [], 0
 
@@ -249,6 +258,8 @@ def _positions(n: int, device: torch.device) -> torch.Tensor:
 def _content(tensor: torch.Tensor) -> torch.Tensor | None:
     """The bytes to hash (a 1-D uint8 tensor on the tensor's device), ``None`` when there are
     none (an empty or a meta tensor)."""
+    if tensor.is_quantized:  # its int_repr hides the scale: different everywhere instead
+        raise TypeError("quantized tensors are not digested")
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return None
     t = tensor.detach()
