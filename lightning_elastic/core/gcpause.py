@@ -62,6 +62,7 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+            if _depth:  # 0: a forked child reset it while this thread was inside
+                _depth -= 1
+                if _depth == 0 and _was_enabled:
+                    gc.enable()
