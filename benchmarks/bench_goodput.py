@@ -15,6 +15,7 @@ selection, verification, load and resharding: ``ours``), training start to the f
 
     python benchmarks/bench_goodput.py --mode loss --period 60 --duration 300
     python benchmarks/bench_goodput.py --mode none --duration 60
+    python benchmarks/bench_goodput.py --mode planned --warm-start   # workers forked warm
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def start_agent(root: Path, port: int, args: argparse.Namespace, name: str) -> s
         "-c",
         "import sys; from lightning_elastic.cli import main; sys.exit(main())",
         "run",
+        *(["--warm-start"] if args.warm_start else []),
         "--nnodes=1:2",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         )
     return {
         "mode": args.mode,
+        "warm_start": args.warm_start,
         "period_s": args.period,
         "wall_s": wall,
         "steps_kept": kept,
@@ -200,6 +203,11 @@ def main() -> None:
         type=float,
         default=None,
         help="measured with --mode none (default: 1 / step-time)",
+    )
+    parser.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="lightning-elastic run --warm-start: workers forked with torch and Lightning imported",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args()

@@ -11,13 +11,33 @@ before exiting after the agreed checkpoint, with the exit code it is about to us
 without counting a failure. Anything else (a crash, a SIGKILL, an exit code that does not match
 the marker) counts as before.
 
-Usage: ``lightning-elastic run [torchrun arguments] train.py [script arguments]``.
+With ``--warm-start`` the workers are forked from a server process that imported torch,
+Lightning and this package once (Python's ``forkserver``, started by the agent before its first
+rendezvous), instead of each starting a fresh interpreter and importing them again: a restart
+of the worker group after a membership change then costs a fork, not seconds of imports (see
+docs/elastic.md for the measured difference). ``--preload MOD,...`` adds modules to import
+there (e.g. the model's own package). The script runs as ``python train.py`` would run it
+(``__name__ == "__main__"``, ``sys.argv``, its folder first on ``sys.path``, exit handlers at
+the end), with two differences a script may notice: modules imported by the server were
+imported before the worker's environment (``RANK``, ``LOCAL_RANK``...) was set, so a module
+that reads such a variable at import time sees the agent's value; and ``stdin`` is
+``/dev/null``. Not with ``--no-python`` or ``-m``.
+
+Usage: ``lightning-elastic run [--warm-start] [--preload MODS] [torchrun arguments] train.py
+[script arguments]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
+import contextlib
+import importlib.util
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -26,12 +46,19 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from lightning_elastic.core._compat import elastic_agent_class, torchrun_entry
+from lightning_elastic.core._compat import (
+    elastic_agent_class,
+    torchrun_entry,
+    torchrun_script_runner,
+)
 from lightning_elastic.core.elastic.planned_exit import PLANNED_EXIT_ENV, read_planned_exit
 
-__all__ = ["PlannedExitAgent", "main"]
+__all__ = ["PRELOAD", "PlannedExitAgent", "main", "run_script"]
 
 log = logging.getLogger(__name__)
+
+#: what ``--warm-start`` imports once in the fork server (those installed)
+PRELOAD = ("torch", "lightning.pytorch", "lightning_elastic.lightning")
 
 
 class PlannedExitAgent(LocalElasticAgent):
@@ -63,23 +90,90 @@ class PlannedExitAgent(LocalElasticAgent):
         return True
 
 
+def run_script(script: str, *args: str) -> None:
+    """Run ``script`` in this (forked, warm) worker as ``python script args`` would: as
+    ``__main__``, with ``sys.argv`` and ``sys.path[0]`` set as the interpreter sets them, and
+    the exit handlers run at the end (a multiprocessing child leaves through ``os._exit``,
+    which skips them: loggers would not flush)."""
+    sys.argv = [script, *args]
+    folder = os.path.dirname(os.path.realpath(script))
+    if sys.path and sys.path[0] != folder:
+        sys.path.insert(0, folder)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = torchrun_entry()[0]
+    parser.prog = "lightning-elastic run"
+    ours = parser.add_argument_group("lightning-elastic")
+    ours.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="fork the workers from a process that imported torch, Lightning and "
+        "lightning_elastic once, instead of starting a fresh interpreter per worker and restart",
+    )
+    ours.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="comma-separated modules the warm-start server also imports (implies --warm-start)",
+    )
+    return parser
+
+
+def _start_warm(args: argparse.Namespace) -> None:
+    """Turn ``args`` into a warm start: torchrun's ``--run-path`` with the forkserver start
+    method, and the fork server started now, importing :data:`PRELOAD` and ``--preload`` while
+    the agent joins the rendezvous."""
+    if args.no_python or args.module:
+        raise ValueError("--warm-start runs a Python script file: not with --no-python or -m")
+    extra = [m.strip() for m in args.preload.split(",") if m.strip()]
+    for name in extra:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"--preload: no module named {name!r} in this environment")
+    modules = [m for m in PRELOAD if importlib.util.find_spec(m.split(".")[0])] + extra
+    args.run_path = True
+    args.start_method = "forkserver"
+    # torchrun sets OMP_NUM_THREADS for the workers when it builds its config; the server must
+    # see it before it imports torch (OpenMP reads it when the library loads)
+    torchrun_entry()[1](argparse.Namespace(**vars(args)))
+    previous = os.environ.get("PYTHONUNBUFFERED")
+    os.environ["PYTHONUNBUFFERED"] = "1"  # what torchrun's `python -u` gives the workers
+    try:
+        multiprocessing.set_forkserver_preload(modules)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if previous is None:
+            os.environ.pop("PYTHONUNBUFFERED", None)
+        else:
+            os.environ["PYTHONUNBUFFERED"] = previous
+    log.info("warm start: workers fork from a server that imported %s", ", ".join(modules))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's command line ``argv`` with :class:`PlannedExitAgent`; the exit code is
     0, 1 when the job failed, 2 for a bad option (a one-line error)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    parse_args, run = torchrun_entry()
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    run = torchrun_entry()[2]
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="lightning-elastic-exits-") as folder:
         previous = os.environ.get(PLANNED_EXIT_ENV)
         os.environ[PLANNED_EXIT_ENV] = folder  # the workers inherit the agent's environment
         try:
-            with elastic_agent_class(PlannedExitAgent):
+            warm = bool(args.warm_start or args.preload)
+            if warm:
+                _start_warm(args)  # after PLANNED_EXIT_ENV: the server passes it on
+            runner = torchrun_script_runner(run_script) if warm else contextlib.nullcontext()
+            with elastic_agent_class(PlannedExitAgent), runner:
                 run(args)
         except ChildFailedError as exc:
             print(f"error: the job failed:\n{exc}", file=sys.stderr)
             return 1
-        except ValueError as exc:  # a bad rendezvous option, found when the agent starts
+        except ValueError as exc:  # a bad rendezvous option (found when the agent starts) or ours
             print(f"error: {exc}", file=sys.stderr)
             return 2
         finally:

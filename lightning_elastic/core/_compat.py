@@ -48,8 +48,12 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # LocalElasticAgent (whose _monitor_workers it extends; SimpleElasticAgent keeps the
     # failure budget in the instance attribute _remaining_restarts, checked by the launcher
     # tests)
-    ("torch.distributed.run", "parse_args"),
+    ("torch.distributed.run", "get_args_parser"),
+    ("torch.distributed.run", "config_from_args"),
     ("torch.distributed.run", "run"),
+    # warm starts: torchrun's --run-path calls this module-level function in each worker; the
+    # launcher puts its own runner in its place (looked up when torchrun builds the command)
+    ("torch.distributed.run", "run_script_path"),
     ("torch.distributed.launcher.api", "LocalElasticAgent"),
     (
         "torch.distributed.elastic.agent.server.local_elastic_agent",
@@ -115,11 +119,26 @@ def foreach_copy(targets: list[Any], sources: list[Any]) -> None:
     torch._foreach_copy_(targets, sources)
 
 
-def torchrun_entry() -> tuple[Any, Any]:
-    """torchrun's ``parse_args(argv)`` and ``run(args)`` (``torch.distributed.run``)."""
+def torchrun_entry() -> tuple[Any, Any, Any]:
+    """torchrun's argument parser (``get_args_parser()``), ``config_from_args(args)`` and
+    ``run(args)`` (``torch.distributed.run``)."""
     from torch.distributed import run as torchrun
 
-    return torchrun.parse_args, torchrun.run
+    return torchrun.get_args_parser(), torchrun.config_from_args, torchrun.run
+
+
+@contextlib.contextmanager
+def torchrun_script_runner(fn: Any) -> Iterator[None]:
+    """Within the block, torchrun's ``--run-path`` runs the training script in each worker with
+    ``fn(script, *args)`` instead of its ``run_script_path`` (``config_from_args`` looks the
+    name up in its module at call time)."""
+    torchrun: Any = importlib.import_module("torch.distributed.run")
+    original = torchrun.run_script_path
+    torchrun.run_script_path = fn
+    try:
+        yield
+    finally:
+        torchrun.run_script_path = original
 
 
 @contextlib.contextmanager

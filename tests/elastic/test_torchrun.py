@@ -199,15 +199,54 @@ def test_standalone_restarts_at_2_then_3(tmp_path) -> None:
 LAUNCHER = ("-c", "import sys; from lightning_elastic.cli import main; sys.exit(main())", "run")
 
 
+def test_planned_drain_keeps_the_failure_budget(tmp_path) -> None:
+    """``lightning-elastic run --max-restarts=0`` (workers started as fresh interpreters, as
+    torchrun starts them): node B is drained; node A's workers restart at world size 1 without
+    spending a restart (plain torchrun would end the job here) and finish, re-executing
+    nothing."""
+    port, max_steps = free_port(), 40
+    host = agent(
+        tmp_path, port, max_steps, tmp_path / "agent-a.log", launcher=LAUNCHER, max_restarts=0
+    )
+    time.sleep(1.0)  # agent A hosts the rendezvous store
+    node = agent(
+        tmp_path, port, max_steps, tmp_path / "agent-b.log", launcher=LAUNCHER, max_restarts=0
+    )
+    try:
+        wait_for(
+            lambda: any(r["kind"] == "step" and r["step"] >= 6 for r in records(tmp_path)),
+            240,
+            "training at world size 2",
+        )
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=120) != 0
+        assert host.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
+    finally:
+        stop([host, node])
+    recs = records(tmp_path)
+    starts = sorted((r for r in recs if r["kind"] == "start"), key=lambda r: r["t"])
+    # (A may have started alone before B joined: one more group of world size 1 first)
+    assert [r["world"] for r in starts][-3:] == [2, 2, 1], starts
+    assert not any(r["warm"] for r in starts)  # fresh interpreters: the cold path
+    before = max(r["step"] for r in recs if r["kind"] == "step" and r["inc"] != starts[-1]["inc"])
+    assert starts[-1]["step"] == before + 1, "a planned drain re-executed steps"
+    assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
+    log = (tmp_path / "agent-a.log").read_text()
+    assert log.count("restarting without counting a failure") == 1, log[-3000:]
+
+
 def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
-    """``lightning-elastic run --max-restarts=2``, seven membership changes: drain, join, loss,
-    join, drain, join, loss (a drain is SIGTERM to a node's agent; a loss SIGKILLs the node's
-    agent and worker, with checkpoints every 3 steps often in flight). Plain torchrun would
-    spend its budget on the drains and fail at the first loss after them. Checks: the job
-    finishes; every sample once in every complete epoch; 0 steps re-executed after a planned
-    change and at most the steps since the last commit (two intervals: a save may be in
-    flight) after a loss; every resume point is a checkpoint of the group before (a chain
-    without a gap); only committed checkpoints listed, retention's keep_last_n respected."""
+    """``lightning-elastic run --warm-start --max-restarts=2``, seven membership changes: drain,
+    join, loss, join, drain, join, loss (a drain is SIGTERM to a node's agent; a loss
+    SIGKILLs the node's agent and worker, with checkpoints every 3 steps often in flight).
+    Plain torchrun would spend its budget on the drains and fail at the first loss after
+    them. Checks: the job finishes; every sample once in every complete epoch; 0 steps re-
+    executed after a planned change and at most the steps since the last commit (two
+    intervals: a save may be in flight) after a loss; every resume point is a checkpoint of
+    the group before (a chain without a gap); only committed checkpoints listed, retention's
+    keep_last_n respected. Every worker was forked from the warm-start server (torch and
+    Lightning already imported), also the first ones of each node and those of the nodes
+    that joined."""
     port, max_steps, every = free_port(), 190, 3
 
     def start(name: str) -> subprocess.Popen:
@@ -216,7 +255,7 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
             port,
             max_steps,
             tmp_path / f"agent-{name}.log",
-            launcher=LAUNCHER,
+            launcher=(*LAUNCHER, "--warm-start"),
             max_restarts=2,
         )
 
@@ -267,6 +306,7 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
     order = sorted(groups)
     assert [groups[g]["world"] for g in order] == [2, 1, 2, 1, 2, 1, 2, 1], order
     assert_each_epoch_once(tmp_path, max_steps)
+    assert all(r["warm"] for r in starts()), "a worker started cold under --warm-start"
     # steps per group, and what each restart cost
     trained = collections.defaultdict(set)
     for r in recs:

@@ -8,6 +8,8 @@ T_START = time.time()  # before the heavy imports: the recovery-time split needs
 import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+
+WARM = "lightning.pytorch" in sys.modules  # forked from `lightning-elastic run --warm-start`
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -31,7 +33,7 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     journal = Journal(
         Path(args.root) / "journal",
-        extra={"t_start": T_START, "t_imported": T_IMPORTED, "restart": restart},
+        extra={"t_start": T_START, "t_imported": T_IMPORTED, "restart": restart, "warm": WARM},
     )
     pl.seed_everything(7, verbose=False)
     trainer = pl.Trainer(
