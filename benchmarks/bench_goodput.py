@@ -11,7 +11,8 @@ Reported: goodput = steps kept / (wall time x fault-free steps per second), step
 and for every restarted worker group the recovery split: from the event to the process start
 (torchrun's detection + rendezvous), process start to imports done (interpreter, torch,
 Lightning), imports to training start (Trainer and process group setup plus our checkpoint
-selection, verification, load and resharding: ``ours``), training start to the first step.
+selection, verification, load and resharding, the last reported alone as ``ours_s``), training
+start to the first step.
 
     python benchmarks/bench_goodput.py --mode loss --period 60 --duration 300
     python benchmarks/bench_goodput.py --mode none --duration 60
@@ -156,6 +157,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 "detect_rendezvous_s": start["t_start"] - event,
                 "process_imports_s": start["t_imported"] - start["t_start"],
                 "setup_and_load_s": start["t"] - start["t_imported"],
+                # of which ours: checkpoint selection, verification, read, resharding
+                "ours_s": start.get("ours_s") or 0.0,
                 "first_step_s": first - start["t"],
                 "total_s": first - event,
             }

@@ -70,7 +70,7 @@ from lightning_elastic.lightning.resume import (
     uninstall_dataloader_hook,
     uninstall_resume_hook,
 )
-from lightning_elastic.lightning.session import ElasticSession
+from lightning_elastic.lightning.session import ElasticSession, ResumeCost
 
 if TYPE_CHECKING:
     from lightning_elastic.core.save.request import SaveResult
@@ -216,6 +216,12 @@ class DistributedCheckpoint(Checkpoint):
             raise ConfigError("DistributedCheckpoint is not set up yet (it is set up by fit)")
         return self._engine
 
+    @property
+    def resume_cost(self) -> ResumeCost | None:
+        """What loading the checkpoint this fit resumed from cost this rank (selection,
+        verification, read, bytes), or ``None`` when it started fresh."""
+        return None if self._session is None else self._session.resume_cost
+
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the end of the current optimizer step (any rank may ask);
         it holds the state after that step's validation, like every other checkpoint."""
@@ -237,6 +243,7 @@ class DistributedCheckpoint(Checkpoint):
             session.storage_options = self.storage_options
         session.trusted = session.trusted or self.trusted
         session.named_run = self.run_name is not None
+        session.resume_cost = None  # set again if this fit resumes
         self._session = session
         self._engine = session.engine(
             self.dirpath,

@@ -52,11 +52,36 @@ if TYPE_CHECKING:
 
     from lightning_elastic.lightning.data import FollowsTheLoop
 
-__all__ = ["ELASTIC_KEY", "ElasticSession", "is_our_strategy"]
+__all__ = ["ELASTIC_KEY", "ElasticSession", "ResumeCost", "is_our_strategy"]
 
 log = logging.getLogger(__name__)
 ELASTIC_KEY = "lightning_elastic"
 _ATTR = "_lightning_elastic_session"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeCost:
+    """What loading the checkpoint a fit resumed from cost this rank: ``seconds`` from the start
+    of checkpoint selection until Lightning's checkpoint dict was ready (selection, verification,
+    reading and resharding; ``selection_s`` is what is left of it after ``verify_s`` and
+    ``read_s``), and the bytes read."""
+
+    location: str
+    step: int
+    seconds: float
+    verify_s: float
+    read_s: float
+    bytes_read: int
+
+    @property
+    def selection_s(self) -> float:
+        return max(0.0, self.seconds - self.verify_s - self.read_s)
+
+    def describe(self) -> str:
+        return (
+            f"{self.seconds:.2f} s (selection {self.selection_s:.2f} s, verification "
+            f"{self.verify_s:.2f} s, read {self.read_s:.2f} s, {self.bytes_read / 2**20:.1f} MiB)"
+        )
 
 
 class ElasticSession:
@@ -71,6 +96,7 @@ class ElasticSession:
         self.pending_position: DataPosition | None = None
         self.pending_rank_state: dict[str, Any] | None = None
         self.resumed: LoadResult | None = None
+        self.resume_cost: ResumeCost | None = None
         self._config: str | bool | None = False  # False: not looked up yet
         # fsspec options of every checkpoint location this trainer opens (the strategy's,
         # overridden by the callback's): never open a checkpoint without the credentials
@@ -232,6 +258,7 @@ class ElasticSession:
         # a sharded strategy (elastic_fsdp) says where its tensors go: DCP reads each rank's
         # shards straight into its DTensors instead of every rank loading full tensors
         targets_of = getattr(self.trainer.strategy, "checkpoint_targets", None)
+        began = time.perf_counter()
         try:
             result = engine.load(
                 None,
@@ -314,6 +341,16 @@ class ElasticSession:
         saved_topology = result.manifest.metadata.get("topology")
         if saved_topology is not None and saved_topology != topology(world):
             log.info("topology changed: was %s, now %s", saved_topology, topology(world))
+        self.resume_cost = ResumeCost(
+            location=str(result.info.location),
+            step=int(result.manifest.step),
+            seconds=time.perf_counter() - began,
+            verify_s=float(result.verify_s),
+            read_s=float(result.load_s),
+            bytes_read=int(result.bytes_read),
+        )
+        if self.ensure_coordinator().rank == 0:
+            log.info("loaded %s in %s", result.info.location, self.resume_cost.describe())
         return checkpoint
 
     def _check_same_experiment(self, result: LoadResult) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_elastic import DistributedCheckpoint
+
 
 class Journal(pl.Callback):
     """Appends a record per training step (and at start/end) to a file of this process."""
@@ -33,11 +35,16 @@ class Journal(pl.Callback):
         self.path = (
             self.directory / f"pid{os.getpid()}-rank{trainer.global_rank}-{self.incarnation}.jsonl"
         )
+        cost = next(
+            (c.resume_cost for c in trainer.callbacks if isinstance(c, DistributedCheckpoint)),
+            None,
+        )
         self.write(
             kind="start",
             step=trainer.global_step,
             world=trainer.world_size,
             resumed_from=trainer.ckpt_path,
+            ours_s=None if cost is None else cost.seconds,
             **self.extra,
         )
 

@@ -48,6 +48,11 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, strategy) -> None:
     for rank in range(2):
         assert resumed[rank]["resumed_from"].endswith("step_000000010")
         assert_same_tail(uninterrupted[rank], resumed[rank], 10)
+        # what resuming cost, per rank: selection + verification + read, and the bytes read
+        cost = resumed[rank]["resume_cost"]
+        assert cost["location"].endswith("step_000000010") and cost["step"] == 10
+        assert cost["seconds"] >= cost["verify_s"] + cost["read_s"] > 0
+        assert cost["bytes_read"] > 0
     body = manifests(tmp_path)[20]
     assert body["world_size"] == 2 and body["metadata"]["reason"] in ("step", "train_end")
     assert body["metadata"]["hparams"]["batch_size"] == 4
@@ -55,6 +60,7 @@ def test_killed_run_resumes_bitwise(tmp_path, uninterrupted, strategy) -> None:
 
 def test_single_device_resumes_bitwise(tmp_path) -> None:
     reference = workers.fit(str(tmp_path / "ref"), MAX_STEPS, strategy="auto", devices=1)
+    assert reference["resume_cost"] is None  # a fresh start loads nothing
     # in-process, a SIGKILL would end pytest: the first run just stops at step 12 unsaved
     workers.fit(str(tmp_path / "run"), 12, strategy="auto", devices=1, save_on_train_end=False)
     resumed = workers.fit(str(tmp_path / "run"), MAX_STEPS, strategy="auto", devices=1)

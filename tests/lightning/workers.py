@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,6 +47,7 @@ def fit(
         last=checkpoint.last_model_path,
         best=checkpoint.best_model_path,
         resumed_from=trainer.ckpt_path,
+        resume_cost=dataclasses.asdict(checkpoint.resume_cost) if checkpoint.resume_cost else None,
         preempted_by=checkpoint.preempted_by,
     )
     return out
