@@ -33,9 +33,15 @@ from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
 from lightning_elastic.core.gcpause import paused_gc
-from lightning_elastic.core.load.load import RANK_LOCAL_KEY, LoadResult, Targets, load_checkpoint
+from lightning_elastic.core.load.load import (
+    RANK_LOCAL_KEY,
+    CorruptWhileLoading,
+    LoadResult,
+    Targets,
+    load_checkpoint,
+)
 from lightning_elastic.core.load.per_rank import PerRankRule
-from lightning_elastic.core.load.select import RUN_NAMED, select_checkpoint
+from lightning_elastic.core.load.select import RUN_NAMED, quarantine, select_checkpoint
 from lightning_elastic.core.options import check_run_name
 from lightning_elastic.core.policy.retention import KeepBestK, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
@@ -56,6 +62,7 @@ from lightning_elastic.errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
+    IntegrityError,
     Phase,
 )
 
@@ -415,35 +422,62 @@ class CheckpointEngine:
         check_verify_mode(verify)
         if self._inflight is not None:
             self.wait()
-        start = time.monotonic()
-        info = select_checkpoint(
-            self.storage,
-            self.catalog,
-            self.coordinator,
-            checkpoint,
-            verify,
-            run_id=None if checkpoint is not None else self._run_filter(),
-            skip_named=checkpoint is None
-            and not self._explicit_run
-            and (take_over if skip_named_runs is None else skip_named_runs),
-        )
-        if info is None:
-            only = f" of run {self.run_id!r}" if self._explicit_run else ""
-            raise CheckpointNotFoundError(
-                f"no valid checkpoint{only} in {self.storage.display()}; start without "
-                "resuming or point to a directory holding committed checkpoints"
+        # verify="full" checks the shard files' checksums while loading them (one pass over
+        # the bytes; load_checkpoint's ``fused``); a corrupt one found then is quarantined and
+        # the walk goes on, as when selection finds it
+        fused = verify == "full" and not trusted and (state is None or strict)
+        corrupt: dict[str, CorruptWhileLoading] = {}  # by checkpoint name
+        while True:
+            start = time.monotonic()
+            info = select_checkpoint(
+                self.storage,
+                self.catalog,
+                self.coordinator,
+                checkpoint,
+                verify,
+                run_id=None if checkpoint is not None else self._run_filter(),
+                skip_named=checkpoint is None
+                and not self._explicit_run
+                and (take_over if skip_named_runs is None else skip_named_runs),
+                fused=fused,
+                exclude=corrupt.keys(),
             )
-        result = load_checkpoint(
-            self.storage,
-            self.coordinator,
-            info,
-            state,
-            strict=strict,
-            verify_s=time.monotonic() - start,
-            trusted=trusted,
-            per_rank_rules=per_rank_rules,
-            targets=targets,
-        )
+            if info is None:
+                only = f" of run {self.run_id!r}" if self._explicit_run else ""
+                if corrupt and (state is not None or targets is not None):
+                    last = list(corrupt.values())[-1]
+                    raise IntegrityError(
+                        last.checkpoint,
+                        last.file,
+                        f"{last.reason}; found while loading it, and no older valid checkpoint"
+                        f"{only} is left: what was loaded in place (the state or targets "
+                        "passed in) is partly that corrupt checkpoint's. Start from a fresh "
+                        "state (a restarted job finds the corrupt checkpoint quarantined)",
+                    )
+                raise CheckpointNotFoundError(
+                    f"no valid checkpoint{only} in {self.storage.display()}; start without "
+                    "resuming or point to a directory holding committed checkpoints"
+                )
+            try:
+                result = load_checkpoint(
+                    self.storage,
+                    self.coordinator,
+                    info,
+                    state,
+                    strict=strict,
+                    verify_s=time.monotonic() - start,
+                    trusted=trusted,
+                    per_rank_rules=per_rank_rules,
+                    targets=targets,
+                    fused=fused,
+                )
+            except CorruptWhileLoading as exc:
+                if checkpoint is not None:
+                    raise  # the named one: an IntegrityError, as from selection
+                quarantine(self.catalog, self.coordinator, info, exc.file, exc.reason)
+                corrupt[info.name] = exc
+                continue
+            break
         self._ctx.resumed_from = info.name
         self._ctx.parent = info.name
         self._ctx.protected.add(info.name)

@@ -32,12 +32,14 @@ from lightning_elastic.core._compat import load_planner_mappings
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
+from lightning_elastic.core.format.integrity import Problem
 from lightning_elastic.core.format.manifest import Manifest
 from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.load.per_rank import PerRankRule, restore_per_rank
 from lightning_elastic.core.load.reader import ShardReader
 from lightning_elastic.core.load.safe import UnsafeObjectError, load_object, warn_trusted
+from lightning_elastic.core.load.select import fused_share
 from lightning_elastic.core.save.replicated import (
     PER_RANK_KEY,
     PER_RANK_VALUES_KEY,
@@ -47,6 +49,7 @@ from lightning_elastic.core.save.replicated import (
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
+    IntegrityError,
     ManifestError,
     Phase,
     RankFailure,
@@ -55,6 +58,7 @@ from lightning_elastic.errors import (
 
 __all__ = [
     "RANK_LOCAL_KEY",
+    "CorruptWhileLoading",
     "LoadResult",
     "Targets",
     "load_checkpoint",
@@ -86,6 +90,19 @@ class LoadResult:
     per_rank: tuple[Path, ...] = ()  # entries saved per rank (they differed between ranks)
 
 
+class CorruptWhileLoading(IntegrityError):
+    """A fused load found shard files that do not match the manifest; raised on every rank
+    (the caller quarantines the checkpoint and tries the one before)."""
+
+    def __init__(self, checkpoint: str, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(sorted(problems, key=lambda p: p.file))
+        first = self.problems[0]
+        super().__init__(checkpoint, first.file, first.reason)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.checkpoint, self.problems))
+
+
 def load_checkpoint(
     storage: Storage,
     coord: Coordinator,
@@ -97,6 +114,7 @@ def load_checkpoint(
     trusted: bool = False,
     per_rank_rules: Sequence[PerRankRule] = (),
     targets: Targets | None = None,
+    fused: bool = False,
 ) -> LoadResult:
     """Load ``info`` into ``state`` in place (DCP semantics), or, with ``state=None``, the
     whole checkpoint into a fresh nested dict (``LoadResult.state``); plus this rank's
@@ -111,10 +129,20 @@ def load_checkpoint(
     Objects are loaded without running code from storage; a type outside the allowlist raises
     :class:`UnsafeCheckpointError`. ``trusted=True`` unpickles them with ``weights_only=False``
     (it can run code; logged).
+
+    ``fused``: the checksums of the shard files (left out by
+    :func:`~lightning_elastic.core.load.select.select_checkpoint` with ``fused=True``) are
+    computed while the bytes are read, each file by one rank, and agreed at the end; a
+    mismatch raises :class:`CorruptWhileLoading` on every rank, also when the corrupt bytes
+    made the load itself fail first. What was read into ``state`` or ``targets`` by then is
+    the corrupt checkpoint's: the caller loads again (an older checkpoint, or a fresh state).
+    Not with ``trusted`` (objects would be unpickled before their bytes are verified).
     """
+    if fused and trusted:
+        raise ValueError("a fused verification unpickles before it verifies: not with trusted")
     with paused_gc():  # see core/gcpause.py
         return _load_checkpoint(
-            storage, coord, info, state, strict, verify_s, trusted, per_rank_rules, targets
+            storage, coord, info, state, strict, verify_s, trusted, per_rank_rules, targets, fused
         )
 
 
@@ -128,31 +156,48 @@ def _load_checkpoint(
     trusted: bool,
     per_rank_rules: Sequence[PerRankRule],
     targets: Targets | None,
+    fused: bool,
 ) -> LoadResult:
     assert info.manifest is not None
+    manifest = info.manifest
     if trusted:
         warn_trusted(info.location)
     start = time.monotonic()
     ckpt = storage.child(info.name)
     metadata, skeleton = read_checkpoint_metadata(ckpt)
-    reader = ShardReader(ckpt, metadata)
-    if state is None:
-        state = _template(metadata, skeleton, (), targets) or {}
-        state.pop(RANK_LOCAL_KEY, None)
-        strict = True
-    if state or coord.distributed:  # a rank with nothing to load still takes part in the agreement
-        planner = _LoadPlanner(allow_partial_load=not strict, trusted=trusted)
-        _dcp_load(state, reader, planner, coord, info)
-    rank_state = None
-    prefix = (RANK_LOCAL_KEY, str(coord.rank))
-    template = _template(metadata, skeleton, prefix)
-    if template:
-        _dcp_load(template, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
-        rank_state = template[RANK_LOCAL_KEY][str(coord.rank)]
-    values = None if rank_state is None else rank_state.pop(PER_RANK_VALUES_KEY, None)
-    if values is not None and not rank_state:
-        rank_state = None  # it only carried the per-rank values
-    paths = _per_rank_paths(state, metadata, skeleton, reader, coord, info, trusted)
+    share = fused_share(manifest, coord.rank, coord.world_size) if fused else []
+    reader = ShardReader(ckpt, metadata, verify=share, algorithm=manifest.checksum_algorithm)
+    failure: Exception | None = None
+    try:
+        if state is None:
+            state = _template(metadata, skeleton, (), targets) or {}
+            state.pop(RANK_LOCAL_KEY, None)
+            strict = True
+        if state or coord.distributed:  # a rank with nothing to load still joins the agreement
+            planner = _LoadPlanner(allow_partial_load=not strict, trusted=trusted)
+            _dcp_load(state, reader, planner, coord, info)
+        rank_state = None
+        prefix = (RANK_LOCAL_KEY, str(coord.rank))
+        template = _template(metadata, skeleton, prefix)
+        if template:
+            planner = _LoadPlanner(trusted=trusted)
+            _dcp_load(template, reader, planner, coord, info, collective=False)
+            rank_state = template[RANK_LOCAL_KEY][str(coord.rank)]
+        values = None if rank_state is None else rank_state.pop(PER_RANK_VALUES_KEY, None)
+        if values is not None and not rank_state:
+            rank_state = None  # it only carried the per-rank values
+        paths = _per_rank_paths(state, metadata, skeleton, reader, coord, info, trusted)
+    except Exception as exc:
+        if not fused:
+            raise
+        failure = exc  # corrupt bytes can make the load fail: the verdict decides what it was
+    if fused:
+        verifying = time.monotonic()
+        _agree_integrity(coord, info, reader.finish_verification())
+        verify_s += time.monotonic() - verifying
+        if failure is not None:
+            raise failure
+    assert state is not None
     restore_per_rank(
         state,
         paths,
@@ -172,6 +217,22 @@ def _load_checkpoint(
         state=state,
         per_rank=paths,
     )
+
+
+def _agree_integrity(coord: Coordinator, info: CheckpointInfo, problems: list[Problem]) -> None:
+    """Every rank together: raise :class:`CorruptWhileLoading` on all of them when any rank
+    found a problem in the files it verified (one all-reduce; the problems travel only then)."""
+    if coord.distributed:
+        failed = coord.max_ints(
+            [1 if problems else 0], Phase.LOAD_VERIFY, error=CheckpointLoadError
+        )
+        if failed[0]:
+            gathered = coord.all_gather(
+                Phase.LOAD_VERIFY, lambda: problems, error=CheckpointLoadError
+            )
+            problems = [problem for verdict in gathered for problem in verdict]
+    if problems:
+        raise CorruptWhileLoading(info.location, problems)
 
 
 def _per_rank_paths(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -20,30 +21,60 @@ from torch.futures import Future
 
 from lightning_elastic.core._compat import dcp_extension_registry
 from lightning_elastic.core.format.dcp_json import ItemLocation
+from lightning_elastic.core.format.integrity import Problem
+from lightning_elastic.core.format.manifest import FileRecord
 from lightning_elastic.core.save.stage import byte_view
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.errors import ManifestError
+from lightning_elastic.core.storage.checksum import Hasher, new_hasher
+from lightning_elastic.errors import ManifestError, StorageError, StorageNotFoundError
 
-__all__ = ["BATCH_BYTES", "ShardReader"]
+__all__ = ["BATCH_BYTES", "SCRATCH_BYTES", "ShardReader"]
 
 # The most bytes a load reads into staging buffers before copying them to their
 # destinations (regions read in place into the destination do not count)
 BATCH_BYTES = 64 << 20
+# The buffer a verifying read hashes the bytes this rank does not need through
+SCRATCH_BYTES = 16 << 20
+
+
+@dataclass
+class _Check:
+    """A file this reader verifies while it loads: hashed in file order up to ``pos``."""
+
+    record: FileRecord
+    hasher: Hasher
+    pos: int = 0
 
 
 class ShardReader(StorageReader):
     """DCP ``StorageReader`` over one committed checkpoint directory.
 
     The metadata is handed in already parsed (from ``dcp_metadata.json``) and verified by
-    the caller; this reader only moves bytes. Reads are grouped per file in offset order;
-    uncompressed chunks that fill their destination are read straight into it.
+    the caller. Reads are grouped per file in offset order; uncompressed chunks that fill
+    their destination are read straight into it.
+
+    ``verify`` names files whose checksum this reader computes while it loads (the load's
+    verification, fused with its reads so the bytes cross the storage once): every byte of
+    such a file is hashed in file order as it lands, the bytes this rank does not need are
+    read through a scratch buffer, and :meth:`finish_verification` hashes what is left and
+    compares. A file's checksum covers all of it, so exactly one rank verifies each file.
     """
 
-    def __init__(self, storage: Storage, metadata: Metadata) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        metadata: Metadata,
+        *,
+        verify: Sequence[FileRecord] = (),
+        algorithm: str = "xxh3_64",
+    ) -> None:
         super().__init__()
         self.storage = storage
         self.metadata = metadata
         self.bytes_read = 0
+        self.algorithm = algorithm
+        self._checks = {r.path: _Check(r, new_hasher(algorithm)) for r in verify}
+        self._scratch: memoryview | None = None
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, torch.Size]] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -86,9 +117,11 @@ class ShardReader(StorageReader):
                     f"{self.storage.display()}: no stored bytes for {req.storage_index.fqn}"
                 ) from None
         located.sort(key=lambda pair: (pair[0].file, pair[0].offset))
-        batch = _Batch(self.storage, planner)
+        batch = _Batch(self.read_ranges, planner)
         for location, req in located:
             if req.type == LoadItemType.BYTE_IO:
+                if location.file in self._checks:
+                    batch.flush()  # the verified file is hashed in order: its earlier ranges first
                 planner.load_bytes(req, io.BytesIO(self._read_item(location)))
             else:
                 self._read_tensor(location, req, planner, batch)
@@ -98,10 +131,88 @@ class ShardReader(StorageReader):
         future.set_result(None)
         return future
 
+    # verification while reading ----------------------------------------------------------
+
+    @property
+    def verifying(self) -> bool:
+        return bool(self._checks)
+
+    def read_ranges(self, file: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill ``ranges`` of ``file``; hashing it on the way when this reader verifies it."""
+        check = self._checks.get(file)
+        if check is None:
+            self.storage.read_ranges(file, ranges)
+            return
+        queued: list[tuple[int, memoryview, int]] = []  # (offset, out, bytes already hashed)
+        for offset, out in sorted(ranges, key=lambda r: r[0]):
+            out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+            self._hash_gap(check, offset, queued)
+            queued.append((offset, out, min(max(0, check.pos - offset), out.nbytes)))
+            check.pos = max(check.pos, offset + out.nbytes)
+        self._run(check, queued)
+
+    def _run(self, check: _Check, queued: list[tuple[int, memoryview, int]]) -> None:
+        """Read what is queued (one ``read_ranges`` call), then hash it in order."""
+        if queued:
+            self.storage.read_ranges(check.record.path, [(o, out) for o, out, _ in queued])
+            for _, out, hashed in queued:
+                if hashed < out.nbytes:
+                    check.hasher.update(out[hashed:])
+            queued.clear()
+
+    def _hash_gap(
+        self, check: _Check, until: int, queued: list[tuple[int, memoryview, int]]
+    ) -> None:
+        """Hash ``check``'s file from where it stands to ``until`` through the scratch buffer
+        (bytes this rank does not need); what is queued before them is read and hashed first."""
+        if check.pos >= until:
+            return
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        while check.pos < until:
+            self._run(check, queued)  # the scratch buffer is reused: what precedes it first
+            n = min(until - check.pos, len(self._scratch))
+            queued.append((check.pos, self._scratch[:n], 0))
+            check.pos += n
+            self._run(check, queued)
+            self.bytes_read += n
+
+    def finish_verification(self) -> list[Problem]:
+        """Hash the rest of every file this reader verifies and compare with the manifest:
+        the problems found (a missing or short file is one, not an error)."""
+        problems = []
+        for path, check in self._checks.items():
+            record = check.record
+            try:
+                self._hash_gap(check, record.size, [])
+            except StorageNotFoundError:
+                problems.append(Problem(path, "file is missing"))
+                continue
+            except StorageError as exc:
+                problems.append(Problem(path, f"unreadable: {exc}"))
+                continue
+            checksum = check.hasher.hexdigest()
+            if checksum != record.checksum:
+                problems.append(
+                    Problem(
+                        path,
+                        f"{self.algorithm} checksum is {checksum}, the manifest says "
+                        f"{record.checksum}",
+                    )
+                )
+        self._checks = {}
+        self._scratch = None
+        return problems
+
     # helpers ---------------------------------------------------------------------------
 
     def _read_item(self, location: ItemLocation) -> bytes:
-        raw = self.storage.read_bytes(location.file, location.offset, location.length)
+        if location.file in self._checks:
+            out = memoryview(bytearray(location.length))
+            self.read_ranges(location.file, [(location.offset, out)])
+            raw = bytes(out)
+        else:
+            raw = self.storage.read_bytes(location.file, location.offset, location.length)
         self.bytes_read += len(raw)
         if not location.transforms:
             return raw
@@ -150,13 +261,17 @@ class ShardReader(StorageReader):
 
 
 class _Batch:
-    """Byte ranges read together: per file, in offset order, with one
-    :meth:`Storage.read_ranges` call; then each destination is committed. Flushed when the
+    """Byte ranges read together: per file, in offset order, with one ``read_ranges`` call
+    (:meth:`ShardReader.read_ranges`); then each destination is committed. Flushed when the
     staging buffers it holds (regions that are not read in place) pass :data:`BATCH_BYTES`,
     so a resharding load never holds more than that in extra memory."""
 
-    def __init__(self, storage: Storage, planner: LoadPlanner) -> None:
-        self.storage = storage
+    def __init__(
+        self,
+        read_ranges: Callable[[str, Sequence[tuple[int, memoryview]]], None],
+        planner: LoadPlanner,
+    ) -> None:
+        self.read_ranges = read_ranges
         self.planner = planner
         self.bytes_read = 0
         self._ranges: dict[str, list[tuple[int, memoryview]]] = {}
@@ -185,7 +300,7 @@ class _Batch:
 
     def flush(self) -> None:
         for file, ranges in self._ranges.items():
-            self.storage.read_ranges(file, ranges)
+            self.read_ranges(file, ranges)
         self._ranges.clear()
         pending, self._pending, self._buffered = self._pending, [], 0
         for req, target, buffer, direct in pending:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import Problem, raise_first, verify_files
+from lightning_elastic.core.format.manifest import SHARD_SUFFIX, FileRecord, Manifest
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
@@ -24,7 +25,7 @@ from lightning_elastic.errors import (
     UnsupportedFormatError,
 )
 
-__all__ = ["select_checkpoint"]
+__all__ = ["fused_share", "quarantine", "select_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ def select_checkpoint(
     run_id: str | None = None,
     order: Callable[[list[CheckpointInfo]], list[CheckpointInfo]] | None = None,
     skip_named: bool = False,
+    fused: bool = False,
+    exclude: Collection[str] = (),
 ) -> CheckpointInfo | None:
     """The checkpoint to load, verified with ``verify``.
 
@@ -49,6 +52,11 @@ def select_checkpoint(
     in the order to try (rank 0 calls it; e.g. best first by a metric, see ``KeepBestK``).
     ``skip_named`` leaves out the checkpoints of runs that were given their name explicitly
     (an unnamed job never continues, nor adopts, someone's named run).
+
+    ``fused`` (with ``verify="full"``): the shard files are only checked for presence and
+    size here; their checksums are left to the load, which computes them as it reads
+    (:func:`fused_share`: each file by one rank), so their bytes cross the storage once.
+    ``exclude`` names checkpoints not to consider (found corrupt by such a load).
     """
     if name is not None:
         info = coord.broadcast(
@@ -58,13 +66,15 @@ def select_checkpoint(
             raise UnsupportedFormatError(info.problem or info.location)
         if info.manifest is None or info.status != "valid":
             raise CheckpointNotFoundError(f"{info.location} is {info.status}: {info.problem}")
-        raise_first(info.location, _verify(storage, coord, info, verify))
+        raise_first(info.location, _verify(storage, coord, info, verify, fused))
         return info
     rank = order or _newest_first
     candidates = coord.broadcast(
         Phase.LOAD_SELECT, lambda: rank(catalog.scan()), error=CheckpointLoadError
     )
     for info in candidates:
+        if info.name in exclude:
+            continue
         if run_id is not None and info.run_id != run_id:
             continue  # another run sharing the directory: never resumed, never touched
         if skip_named and info.manifest is not None and info.manifest.metadata.get(RUN_NAMED):
@@ -78,15 +88,15 @@ def select_checkpoint(
             if info.untrusted:  # the key may be wrong: refuse, leave no lasting mark
                 _warn(info, "manifest", info.problem or "no valid HMAC", "it was skipped", 3)
             elif info.quarantine is None:
-                _quarantine(catalog, coord, info, "manifest", info.problem or "unreadable")
+                quarantine(catalog, coord, info, "manifest", info.problem or "unreadable")
             else:
                 log.info("skipping quarantined %s: %s", info.location, info.problem)
             continue
-        problems = _verify(storage, coord, info, verify)
+        problems = _verify(storage, coord, info, verify, fused)
         if not problems:
             return info
         first = sorted(problems, key=lambda p: p.file)[0]
-        _quarantine(catalog, coord, info, first.file, first.reason)
+        quarantine(catalog, coord, info, first.file, first.reason)
     return None
 
 
@@ -97,7 +107,21 @@ def _newest_first(scan: list[CheckpointInfo]) -> list[CheckpointInfo]:
     return list(reversed(scan))
 
 
-def _verify(storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: str) -> list[Problem]:
+def fused_share(manifest: Manifest, rank: int, world_size: int) -> list[FileRecord]:
+    """The shard files whose checksums ``rank`` computes while a fused load reads them: each
+    file by one rank, its writer's rank modulo the world size (at the same world size every
+    rank verifies the file it wrote, the one it reads most of)."""
+    shards = [r for r in manifest.files if r.path.endswith(SHARD_SUFFIX)]
+    return [
+        r
+        for i, r in enumerate(shards)
+        if (r.rank if r.rank is not None else i) % world_size == rank
+    ]
+
+
+def _verify(
+    storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: str, fused: bool = False
+) -> list[Problem]:
     assert info.manifest is not None
     manifest = info.manifest
     ckpt = storage.child(info.name)
@@ -105,18 +129,28 @@ def _verify(storage: Storage, coord: Coordinator, info: CheckpointInfo, mode: st
         return coord.broadcast(
             Phase.LOAD_VERIFY, lambda: verify_files(ckpt, manifest, mode), error=CheckpointLoadError
         )
-    share = manifest.files[coord.rank :: coord.world_size]
-    verdicts = coord.all_gather(
-        Phase.LOAD_VERIFY,
-        lambda: verify_files(ckpt, manifest, mode, share),
-        error=CheckpointLoadError,
-    )
+    records = list(manifest.files)
+    sized: list[FileRecord] = []
+    if fused and mode == "full":  # the load hashes the shard files as it reads them
+        sized = [r for r in records if r.path.endswith(SHARD_SUFFIX)]
+        records = [r for r in records if not r.path.endswith(SHARD_SUFFIX)]
+    share = records[coord.rank :: coord.world_size]
+
+    def check() -> list[Problem]:
+        problems = verify_files(ckpt, manifest, mode, share)
+        if sized and coord.rank == 0:
+            problems += verify_files(ckpt, manifest, "size", sized)
+        return problems
+
+    verdicts = coord.all_gather(Phase.LOAD_VERIFY, check, error=CheckpointLoadError)
     return [problem for verdict in verdicts for problem in verdict]
 
 
-def _quarantine(
+def quarantine(
     catalog: Catalog, coord: Coordinator, info: CheckpointInfo, file: str, reason: str
 ) -> None:
+    """Mark ``info`` corrupt (rank 0; every rank calls this together) and warn."""
+
     def mark() -> None:
         try:
             catalog.quarantine(info.name, file, reason)

@@ -1,0 +1,177 @@
+"""verify="full" checks the shard files' checksums while the load reads them (one pass over
+the bytes): the reader's hashing in file order, and the engine's fallback when a corrupt
+file is found only then."""
+
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_elastic import (
+    CheckpointEngine,
+    CheckpointNotFoundError,
+    CorruptCheckpointWarning,
+    IntegrityError,
+    Storage,
+)
+from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
+from lightning_elastic.core.format.manifest import QUARANTINE_FILE, FileRecord
+from lightning_elastic.core.load import reader as reader_module
+from lightning_elastic.core.load import select as select_module
+from lightning_elastic.core.load.reader import ShardReader
+from lightning_elastic.core.storage.checksum import new_hasher
+from tests.unit.test_engine import assert_same, make_state, shard_files, template
+
+DATA = bytes(range(256)) * 40  # 10,240 bytes
+
+
+def record(path: Path, data: bytes, size: int | None = None) -> FileRecord:
+    hasher = new_hasher("xxh3_64")
+    hasher.update(data)
+    return FileRecord(path.name, len(data) if size is None else size, hasher.hexdigest(), 0)
+
+
+def reader_over(tmp_path: Path, data: bytes = DATA, **kwargs) -> tuple[ShardReader, Path]:
+    path = tmp_path / "f.distcp"
+    path.write_bytes(kwargs.pop("on_disk", data))
+    rec = record(path, data, kwargs.pop("size", None))
+    return ShardReader(Storage(tmp_path), Metadata({}), verify=[rec]), path
+
+
+def out(n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+@pytest.mark.parametrize("scratch", [7, 1000, 1 << 20])
+def test_ranges_in_any_order_and_overlapping_are_hashed_once_in_file_order(
+    tmp_path, monkeypatch, scratch
+) -> None:
+    monkeypatch.setattr(reader_module, "SCRATCH_BYTES", scratch)
+    reader, _ = reader_over(tmp_path)
+    wanted = [(5000, out(100)), (10, out(50)), (40, out(30)), (9000, out(1240))]
+    reader.read_ranges("f.distcp", wanted)
+    late = [(20, out(10)), (9500, out(100))]  # a second read, behind what was hashed
+    reader.read_ranges("f.distcp", late)
+    for offset, view in wanted + late:
+        assert bytes(view) == DATA[offset : offset + view.nbytes]
+    assert reader.finish_verification() == []
+    # the reader counts the gaps it read for the hash only (the ranges asked for are counted
+    # by the load's batch): every byte but the union of the ranges (10..70 overlaps)
+    assert reader.bytes_read == len(DATA) - 100 - 60 - 1240
+
+
+def test_a_corrupt_byte_no_range_needed_is_found(tmp_path) -> None:
+    bad = bytearray(DATA)
+    bad[7000] ^= 1  # outside every range read below: found through the scratch buffer
+    reader, _ = reader_over(tmp_path, on_disk=bytes(bad))
+    view = out(100)
+    reader.read_ranges("f.distcp", [(0, view)])
+    assert bytes(view) == DATA[:100]
+    [problem] = reader.finish_verification()
+    assert problem.file == "f.distcp" and "checksum" in problem.reason
+
+
+def test_nothing_read_the_whole_file_is_hashed(tmp_path) -> None:
+    reader, _ = reader_over(tmp_path)
+    assert reader.finish_verification() == []
+    assert reader.bytes_read == len(DATA)
+
+
+def test_a_short_or_missing_file_is_a_problem_not_an_error(tmp_path) -> None:
+    reader, path = reader_over(tmp_path, on_disk=DATA[:-10])
+    [problem] = reader.finish_verification()
+    assert "unreadable" in problem.reason and "ended" in problem.reason
+    reader, path = reader_over(tmp_path)
+    path.unlink()
+    [problem] = reader.finish_verification()
+    assert problem.reason == "file is missing"
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def full_checks(monkeypatch) -> list[str]:
+    """Record every file selection checks with a full checksum pass of its own."""
+    checked: list[str] = []
+    original = select_module.verify_files
+
+    def verify_files(storage, manifest, mode, files=None):
+        if mode == "full":
+            checked.extend(r.path for r in (manifest.files if files is None else files))
+        return original(storage, manifest, mode, files)
+
+    monkeypatch.setattr(select_module, "verify_files", verify_files)
+    return checked
+
+
+def test_a_full_verification_reads_the_shard_bytes_once(tmp_path, monkeypatch) -> None:
+    eng = CheckpointEngine(tmp_path)
+    eng.save(make_state(1), step=1).result()
+    checked = full_checks(monkeypatch)
+    loaded = template()
+    result = eng.load(loaded)  # verify="full", the default
+    assert checked and not [f for f in checked if f.endswith(".distcp")], checked
+    assert_same(make_state(1), loaded)
+    shard_bytes = sum(p.stat().st_size for p in shard_files(tmp_path / "step_000000001"))
+    assert result.bytes_read == shard_bytes  # every byte once: loaded and hashed together
+    # trusted loads unpickle before anything is verified: they keep the separate pass
+    eng.load(template(), trusted=True)
+    assert [f for f in checked if f.endswith(".distcp")], "trusted: verified before unpickled"
+    eng.close()
+
+
+def corrupt_object_bytes(ckpt: Path, fqn_part: str) -> None:
+    """Flip a byte in the middle of the pickled object whose FQN contains ``fqn_part``."""
+    metadata, _ = read_checkpoint_metadata(Storage(ckpt))
+    [(_, where)] = [(i, loc) for i, loc in metadata.storage_data.items() if fqn_part in i.fqn]
+    path = ckpt / where.file
+    data = bytearray(path.read_bytes())
+    data[where.offset + where.length // 2] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_object_bytes_fall_back_instead_of_failing_the_load(tmp_path) -> None:
+    """Bytes that fail to unpickle are found corrupt by the verification that completes
+    after the failed read: the checkpoint is quarantined, the one before is loaded."""
+    eng = CheckpointEngine(tmp_path)
+    eng.save(make_state(1), step=1).result()
+    eng.save(make_state(2), step=2).result()
+    newest = tmp_path / "step_000000002"
+    corrupt_object_bytes(newest, "text")
+    loaded = template()
+    with pytest.warns(CorruptCheckpointWarning, match="step_000000002"):
+        result = eng.load(loaded)
+    assert result.info.name == "step_000000001"
+    assert_same(make_state(1), loaded)
+    assert (newest / QUARANTINE_FILE).exists()
+    eng.close()
+
+
+def test_every_checkpoint_corrupt(tmp_path) -> None:
+    """In place, the state was partly overwritten by the corrupt checkpoint: an
+    IntegrityError that says so; into a new state, simply nothing to resume."""
+    eng = CheckpointEngine(tmp_path)
+    eng.save(make_state(1), step=1).result()
+    shard = shard_files(tmp_path / "step_000000001")[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.warns(CorruptCheckpointWarning), pytest.raises(IntegrityError, match="partly"):
+        eng.load(template())
+    eng.close()
+    eng = CheckpointEngine(tmp_path)  # quarantined now: skipped without reading it
+    with pytest.raises(CheckpointNotFoundError):
+        eng.load(None)
+    eng.close()
+
+
+def test_into_a_new_state_a_corrupt_only_checkpoint_is_nothing_to_resume(tmp_path) -> None:
+    eng = CheckpointEngine(tmp_path)
+    eng.save(make_state(1), step=1).result()
+    shard = shard_files(tmp_path / "step_000000001")[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.warns(CorruptCheckpointWarning), pytest.raises(CheckpointNotFoundError):
+        eng.load(None)
+    eng.close()
