@@ -70,6 +70,11 @@ def test_plan_cache_misses_when_structure_changes(tmp_path) -> None:
 
 def test_resharded_load_reads_only_the_needed_rows(tmp_path) -> None:
     run_distributed(workers.save_big, 2, str(tmp_path))
-    read = run_distributed(workers.load_big, 3, str(tmp_path))
+    read = run_distributed(workers.load_big, 3, str(tmp_path), "size")
     total = workers.BIG_SHAPE[0] * workers.BIG_SHAPE[1] * 4
     assert sum(read) == total  # each row read once, by the rank that owns it now
+    # verify="full" hashes each of the 2 shard files while loading, on one rank (its writer's
+    # rank): that rank also reads the rows of its file another rank owns now, nothing more
+    verified = run_distributed(workers.load_big, 3, str(tmp_path), "full")
+    shards = sum(p.stat().st_size for p in tmp_path.glob("*/*.distcp"))
+    assert shards >= total and total < sum(verified) <= total + shards - total // 3

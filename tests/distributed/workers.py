@@ -143,10 +143,10 @@ def save_big(root: str) -> None:
         eng.save({"big": sharded(dist.get_world_size(), value)}, step=1).result()
 
 
-def load_big(root: str) -> int:
+def load_big(root: str, verify: str = "full") -> int:
     target = {"big": sharded(dist.get_world_size(), torch.zeros(BIG_SHAPE))}
     with CheckpointEngine(root) as eng:
-        result = eng.load(target)
+        result = eng.load(target, verify=verify)
     expected = torch.arange(BIG_SHAPE[0] * BIG_SHAPE[1], dtype=torch.float32).view(BIG_SHAPE)
     assert torch.equal(target["big"].full_tensor(), expected)
     return result.bytes_read
