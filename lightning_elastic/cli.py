@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "run",
         help="torchrun (same arguments), except that a planned membership change does not "
-        "use up --max-restarts",
+        "use up --max-restarts; --warm-start forks workers with torch and Lightning imported",
     )
 
     def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:
