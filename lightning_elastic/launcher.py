@@ -53,10 +53,12 @@ from lightning_elastic.core._compat import (
 )
 from lightning_elastic.core.elastic.planned_exit import PLANNED_EXIT_ENV, read_planned_exit
 
-__all__ = ["PRELOAD", "PlannedExitAgent", "main", "run_script"]
+__all__ = ["PRELOAD", "PRELOAD_ENV", "PlannedExitAgent", "main", "run_script"]
 
 log = logging.getLogger(__name__)
 
+#: the environment variable that tells lightning_elastic._preload what to import
+PRELOAD_ENV = "LIGHTNING_ELASTIC_PRELOAD"
 #: what ``--warm-start`` imports once in the fork server (those installed)
 PRELOAD = ("torch", "lightning.pytorch", "lightning_elastic.lightning")
 
@@ -94,15 +96,28 @@ def run_script(script: str, *args: str) -> None:
     """Run ``script`` in this (forked, warm) worker as ``python script args`` would: as
     ``__main__``, with ``sys.argv`` and ``sys.path[0]`` set as the interpreter sets them, and
     the exit handlers run at the end (a multiprocessing child leaves through ``os._exit``,
-    which skips them: loggers would not flush)."""
+    which skips them: loggers would not flush). ``sys.exit()``/``sys.exit(0)`` end it as a
+    success: torch's worker wrapper counts only ``SystemExit(0)`` as one, and a worker that
+    exits 0 without returning leaves the agent waiting for its result forever (which is also
+    why a script must not leave through ``os._exit(0)`` under a warm start)."""
     sys.argv = [script, *args]
     folder = os.path.dirname(os.path.realpath(script))
     if sys.path and sys.path[0] != folder:
         sys.path.insert(0, folder)
     try:
         runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
     finally:
         atexit._run_exitfuncs()
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a dotted name whose package is missing, or ""
+        return False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,24 +147,28 @@ def _start_warm(args: argparse.Namespace) -> None:
         raise ValueError("--warm-start runs a Python script file: not with --no-python or -m")
     extra = [m.strip() for m in args.preload.split(",") if m.strip()]
     for name in extra:
-        if importlib.util.find_spec(name) is None:
+        if not _installed(name):
             raise ValueError(f"--preload: no module named {name!r} in this environment")
-    modules = [m for m in PRELOAD if importlib.util.find_spec(m.split(".")[0])] + extra
+    modules = [m for m in PRELOAD if _installed(m.split(".")[0])] + extra
     args.run_path = True
     args.start_method = "forkserver"
     # torchrun sets OMP_NUM_THREADS for the workers when it builds its config; the server must
     # see it before it imports torch (OpenMP reads it when the library loads)
     torchrun_entry()[1](argparse.Namespace(**vars(args)))
-    previous = os.environ.get("PYTHONUNBUFFERED")
+    saved = {k: os.environ.get(k) for k in ("PYTHONUNBUFFERED", PRELOAD_ENV)}
     os.environ["PYTHONUNBUFFERED"] = "1"  # what torchrun's `python -u` gives the workers
+    os.environ[PRELOAD_ENV] = ",".join(modules)
     try:
-        multiprocessing.set_forkserver_preload(modules)
+        # the server imports them through lightning_elastic._preload, which reports a module
+        # that fails to import instead of letting it take the server down
+        multiprocessing.set_forkserver_preload(["lightning_elastic._preload"])
         multiprocessing.forkserver.ensure_running()
     finally:
-        if previous is None:
-            os.environ.pop("PYTHONUNBUFFERED", None)
-        else:
-            os.environ["PYTHONUNBUFFERED"] = previous
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     log.info("warm start: workers fork from a server that imported %s", ", ".join(modules))
 
 

@@ -424,9 +424,12 @@ class CheckpointEngine:
             self.wait()
         # verify="full" checks the shard files' checksums while loading them (one pass over
         # the bytes; load_checkpoint's ``fused``); a corrupt one found then is quarantined and
-        # the walk goes on, as when selection finds it
+        # the walk goes on, as when selection finds it. What the corrupt one wrote in place
+        # must all be written again by the one loaded instead, or the load says so.
         fused = verify == "full" and not trusted and (state is None or strict)
+        in_place = state is not None or targets is not None
         corrupt: dict[str, CorruptWhileLoading] = {}  # by checkpoint name
+        touched: set[tuple[Any, ...]] = set()  # the targets corrupt attempts loaded into
         while True:
             start = time.monotonic()
             info = select_checkpoint(
@@ -444,20 +447,13 @@ class CheckpointEngine:
             )
             if info is None:
                 only = f" of run {self.run_id!r}" if self._explicit_run else ""
-                if corrupt and (state is not None or targets is not None):
-                    last = list(corrupt.values())[-1]
-                    raise IntegrityError(
-                        last.checkpoint,
-                        last.file,
-                        f"{last.reason}; found while loading it, and no older valid checkpoint"
-                        f"{only} is left: what was loaded in place (the state or targets "
-                        "passed in) is partly that corrupt checkpoint's. Start from a fresh "
-                        "state (a restarted job finds the corrupt checkpoint quarantined)",
-                    )
+                if corrupt and in_place:
+                    raise _partly(corrupt, f"no older valid checkpoint{only} is left")
                 raise CheckpointNotFoundError(
                     f"no valid checkpoint{only} in {self.storage.display()}; start without "
                     "resuming or point to a directory holding committed checkpoints"
                 )
+            handed: set[tuple[Any, ...]] = set()
             try:
                 result = load_checkpoint(
                     self.storage,
@@ -468,15 +464,27 @@ class CheckpointEngine:
                     verify_s=time.monotonic() - start,
                     trusted=trusted,
                     per_rank_rules=per_rank_rules,
-                    targets=targets,
+                    targets=_recording(targets, handed),
                     fused=fused,
                 )
             except CorruptWhileLoading as exc:
-                if checkpoint is not None:
-                    raise  # the named one: an IntegrityError, as from selection
+                if checkpoint is not None:  # the named one: an IntegrityError, as from selection
+                    if in_place:
+                        raise _partly({info.name: exc}) from None
+                    raise
                 quarantine(self.catalog, self.coordinator, info, exc.file, exc.reason)
                 corrupt[info.name] = exc
+                touched |= handed
                 continue
+            except Exception as exc:
+                if corrupt and in_place:
+                    why = f"loading {info.location} instead failed ({type(exc).__name__}: {exc})"
+                    raise _partly(corrupt, why) from exc
+                raise
+            stale = touched - handed
+            if stale:
+                shown = ", ".join(".".join(map(str, p)) for p in sorted(stale, key=str)[:3])
+                raise _partly(corrupt, f"{info.location}, loaded instead, does not hold {shown}")
             break
         self._ctx.resumed_from = info.name
         self._ctx.parent = info.name
@@ -573,3 +581,32 @@ def _background_priority() -> None:
 def _to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     """A shallow copy with every ``Stateful`` value replaced by its ``state_dict()``."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _recording(targets: Targets | None, handed: set[tuple[Any, ...]]) -> Targets | None:
+    """``targets``, noting the path of every tensor it hands out in ``handed``."""
+    if targets is None:
+        return None
+    give = targets
+
+    def recorded(path: tuple[Any, ...], shape: torch.Size, dtype: torch.dtype) -> Any:
+        tensor = give(path, shape, dtype)
+        if tensor is not None:
+            handed.add(tuple(path))
+        return tensor
+
+    return recorded
+
+
+def _partly(corrupt: Mapping[str, CorruptWhileLoading], why: str = "") -> IntegrityError:
+    """The error of a load that found a checkpoint corrupt only after reading part of it into
+    the caller's state or targets, and could not overwrite all of that from another one."""
+    last = list(corrupt.values())[-1]
+    return IntegrityError(
+        last.checkpoint,
+        last.file,
+        f"{last.reason}; found while loading it{', and ' + why if why else ''}: what was "
+        "loaded in place (the state or targets passed in) is partly that corrupt "
+        "checkpoint's. Start from a fresh state (a restarted job finds the corrupt "
+        "checkpoint quarantined)",
+    )

@@ -75,9 +75,11 @@ class ResumeCost:
 
     @property
     def selection_s(self) -> float:
+        """Seconds spent choosing the checkpoint (what is left after verification and read)."""
         return max(0.0, self.seconds - self.verify_s - self.read_s)
 
     def describe(self) -> str:
+        """One line for the log: the seconds, split, and the MiB read."""
         return (
             f"{self.seconds:.2f} s (selection {self.selection_s:.2f} s, verification "
             f"{self.verify_s:.2f} s, read {self.read_s:.2f} s, {self.bytes_read / 2**20:.1f} MiB)"

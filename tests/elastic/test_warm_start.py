@@ -2,6 +2,7 @@
 Lightning, running the script as ``python script.py`` would."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,9 @@ if "--fail" in sys.argv and record["rank"] == 1:
 """
 
 
-def launch_probe(folder: Path, *args: str) -> subprocess.CompletedProcess:
+def launch_probe(
+    folder: Path, *args: str, launcher_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     (folder / "probe.py").write_text(PROBE)
     (folder / "sibling.py").write_text("VALUE = 42\n")
     cmd = [
@@ -41,13 +44,15 @@ def launch_probe(folder: Path, *args: str) -> subprocess.CompletedProcess:
         "import sys; from lightning_elastic.cli import main; sys.exit(main())",
         "run",
         "--warm-start",
+        *launcher_args,
         "--standalone",
         "--nproc-per-node=2",
         "--max-restarts=0",
         str(folder / "probe.py"),
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd="/")
+    env = {**os.environ, "PYTHONPATH": str(folder)}  # modules next to the script, for --preload
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd="/", env=env)
 
 
 def test_the_script_runs_as_python_would_run_it(tmp_path) -> None:
@@ -64,6 +69,28 @@ def test_the_script_runs_as_python_would_run_it(tmp_path) -> None:
         assert (tmp_path / f"rank{rank}.atexit").exists(), "exit handlers did not run"
 
 
+def test_sys_exit_none_ends_the_job_as_a_success(tmp_path) -> None:
+    """torch's worker wrapper counts only SystemExit(0) as a success; a worker that exited 0
+    without returning left the agent waiting forever."""
+    done = launch_probe(tmp_path, "--exit-none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "rank1.atexit").exists()
+
+
+def test_a_module_that_fails_to_preload_is_reported_and_left_to_the_workers(tmp_path) -> None:
+    (tmp_path / "badmod.py").write_text("raise RuntimeError('broken at import')\n")
+    done = launch_probe(tmp_path, launcher_args=("--preload", "badmod"))
+    assert done.returncode == 0, done.stderr[-3000:]  # the probe does not import it
+    assert "could not preload badmod (RuntimeError: broken at import)" in done.stderr
+    assert json.loads((tmp_path / "rank0.json").read_text())["warm"]  # the rest was preloaded
+
+
+def test_the_preload_variable_is_the_launchers() -> None:
+    from lightning_elastic import _preload, launcher
+
+    assert _preload.PRELOAD_ENV == launcher.PRELOAD_ENV
+
+
 def test_a_failing_worker_fails_the_job_with_its_exit_code(tmp_path) -> None:
     done = launch_probe(tmp_path, "--fail")
     assert done.returncode == 1
@@ -74,6 +101,7 @@ def test_a_failing_worker_fails_the_job_with_its_exit_code(tmp_path) -> None:
     ("args", "says"),
     [
         (["--preload", "no_such_module_here"], "no module named 'no_such_module_here'"),
+        (["--preload", "no_such_package.sub"], "no module named 'no_such_package.sub'"),
         (["--warm-start", "-m"], "not with --no-python or -m"),
         (["--warm-start", "--no-python"], "not with --no-python or -m"),
     ],

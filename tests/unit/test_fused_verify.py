@@ -5,6 +5,7 @@ file is found only then."""
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_elastic import (
@@ -174,4 +175,54 @@ def test_into_a_new_state_a_corrupt_only_checkpoint_is_nothing_to_resume(tmp_pat
     shard.write_bytes(bytes(data))
     with pytest.warns(CorruptCheckpointWarning), pytest.raises(CheckpointNotFoundError):
         eng.load(None)
+    eng.close()
+
+
+def corrupt_newest_shard(root: Path, name: str) -> None:
+    shard = shard_files(root / name)[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 1
+    shard.write_bytes(bytes(data))
+
+
+def test_targets_the_older_checkpoint_does_not_rewrite_are_reported(tmp_path) -> None:
+    """The corrupt newest held "b", the older one does not: "b"'s target keeps corrupt bytes,
+    so the load must not report success."""
+    eng = CheckpointEngine(tmp_path)
+    eng.save({"a": torch.ones(4)}, step=1).result()
+    eng.save({"b": torch.full((4,), 7.0), "a": torch.full((4,), 2.0)}, step=2).result()
+    corrupt_newest_shard(tmp_path, "step_000000002")
+    mine = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with (
+        pytest.warns(CorruptCheckpointWarning),
+        pytest.raises(IntegrityError) as info,
+    ):
+        eng.load(None, targets=lambda path, shape, dtype: mine[path[0]])
+    assert "does not hold b" in str(info.value) and "partly" in str(info.value)
+    eng.close()
+
+
+def test_a_failing_fallback_after_a_corrupt_in_place_load_says_so(tmp_path) -> None:
+    eng = CheckpointEngine(tmp_path)
+    eng.save({"w": torch.ones(4)}, step=1).result()
+    eng.save({"w": torch.full((8,), 2.0)}, step=2).result()
+    corrupt_newest_shard(tmp_path, "step_000000002")
+    with pytest.warns(CorruptCheckpointWarning), pytest.raises(IntegrityError) as info:
+        eng.load({"w": torch.zeros(8)})
+    message = str(info.value)
+    assert "step_000000001" in message and "instead failed" in message and "partly" in message
+    eng.close()
+
+
+def test_a_named_corrupt_checkpoint_loaded_in_place_says_the_state_is_partly_its(
+    tmp_path,
+) -> None:
+    eng = CheckpointEngine(tmp_path)
+    eng.save(make_state(1), step=1).result()
+    corrupt_newest_shard(tmp_path, "step_000000001")
+    with pytest.raises(IntegrityError, match=r"checksum.*partly"):
+        eng.load(template(), checkpoint="step_000000001")
+    with pytest.raises(IntegrityError, match="checksum") as info:  # into a new state: no note
+        eng.load(None, checkpoint="step_000000001")
+    assert "partly" not in str(info.value)
     eng.close()

@@ -133,10 +133,6 @@ class ShardReader(StorageReader):
 
     # verification while reading ----------------------------------------------------------
 
-    @property
-    def verifying(self) -> bool:
-        return bool(self._checks)
-
     def read_ranges(self, file: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         """Fill ``ranges`` of ``file``; hashing it on the way when this reader verifies it."""
         check = self._checks.get(file)
