@@ -127,31 +127,29 @@ def torchrun_entry() -> tuple[Any, Any, Any]:
     return torchrun.get_args_parser(), torchrun.config_from_args, torchrun.run
 
 
-@contextlib.contextmanager
-def torchrun_script_runner(fn: Any) -> Iterator[None]:
+def torchrun_script_runner(fn: Any) -> contextlib.AbstractContextManager[None]:
     """Within the block, torchrun's ``--run-path`` runs the training script in each worker with
     ``fn(script, *args)`` instead of its ``run_script_path`` (``config_from_args`` looks the
     name up in its module at call time)."""
-    torchrun: Any = importlib.import_module("torch.distributed.run")
-    original = torchrun.run_script_path
-    torchrun.run_script_path = fn
-    try:
-        yield
-    finally:
-        torchrun.run_script_path = original
+    return _swapped("torch.distributed.run", "run_script_path", fn)
+
+
+def elastic_agent_class(cls: type) -> contextlib.AbstractContextManager[None]:
+    """Within the block, torchrun's launcher builds its agent from ``cls`` instead of
+    ``LocalElasticAgent`` (``launch_agent`` looks the name up in its module at call time)."""
+    return _swapped("torch.distributed.launcher.api", "LocalElasticAgent", cls)
 
 
 @contextlib.contextmanager
-def elastic_agent_class(cls: type) -> Iterator[None]:
-    """Within the block, torchrun's launcher builds its agent from ``cls`` instead of
-    ``LocalElasticAgent`` (``launch_agent`` looks the name up in its module at call time)."""
-    api: Any = importlib.import_module("torch.distributed.launcher.api")
-    original = api.LocalElasticAgent
-    api.LocalElasticAgent = cls
+def _swapped(module_name: str, name: str, value: Any) -> Iterator[None]:
+    """Within the block, ``module_name.name`` is ``value``."""
+    module: Any = importlib.import_module(module_name)
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        api.LocalElasticAgent = original
+        setattr(module, name, original)
 
 
 def missing() -> list[str]:

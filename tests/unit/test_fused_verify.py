@@ -148,15 +148,19 @@ def test_corrupt_object_bytes_fall_back_instead_of_failing_the_load(tmp_path) ->
     eng.close()
 
 
+def corrupt_newest_shard(root: Path, name: str) -> None:
+    shard = shard_files(root / name)[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 1
+    shard.write_bytes(bytes(data))
+
+
 def test_every_checkpoint_corrupt(tmp_path) -> None:
     """In place, the state was partly overwritten by the corrupt checkpoint: an
     IntegrityError that says so; into a new state, simply nothing to resume."""
     eng = CheckpointEngine(tmp_path)
     eng.save(make_state(1), step=1).result()
-    shard = shard_files(tmp_path / "step_000000001")[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 1
-    shard.write_bytes(bytes(data))
+    corrupt_newest_shard(tmp_path, "step_000000001")
     with pytest.warns(CorruptCheckpointWarning), pytest.raises(IntegrityError, match="partly"):
         eng.load(template())
     eng.close()
@@ -169,20 +173,10 @@ def test_every_checkpoint_corrupt(tmp_path) -> None:
 def test_into_a_new_state_a_corrupt_only_checkpoint_is_nothing_to_resume(tmp_path) -> None:
     eng = CheckpointEngine(tmp_path)
     eng.save(make_state(1), step=1).result()
-    shard = shard_files(tmp_path / "step_000000001")[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 1
-    shard.write_bytes(bytes(data))
+    corrupt_newest_shard(tmp_path, "step_000000001")
     with pytest.warns(CorruptCheckpointWarning), pytest.raises(CheckpointNotFoundError):
         eng.load(None)
     eng.close()
-
-
-def corrupt_newest_shard(root: Path, name: str) -> None:
-    shard = shard_files(root / name)[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 1
-    shard.write_bytes(bytes(data))
 
 
 def test_targets_the_older_checkpoint_does_not_rewrite_are_reported(tmp_path) -> None:
