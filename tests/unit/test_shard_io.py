@@ -287,3 +287,25 @@ def test_the_reader_reports_the_metadata_it_was_given(storage) -> None:
     reader.bytes_read = 7
     reader.reset()
     assert reader.bytes_read == 0
+
+
+def test_drain_hashes_large_chunks_while_writing_even_from_a_reused_buffer() -> None:
+    """Chunks of 1 MiB and more are hashed on a second thread while they are written; each
+    before the next is asked for, so a source that refills one buffer hashes right."""
+    from lightning_elastic.core.storage.checksum import new_hasher
+    from lightning_elastic.core.storage.local import drain
+
+    buffer = bytearray(3 << 20)
+    written = bytearray()
+
+    def chunks():
+        for fill in (1, 2, 3, 4):
+            buffer[:] = bytes([fill]) * len(buffer)  # the same buffer, refilled
+            yield buffer
+        yield b"tail"  # a small one, hashed inline
+
+    result = drain(chunks(), "xxh3_64", written.extend)
+    expected = new_hasher("xxh3_64")
+    expected.update(bytes(written))
+    assert result.size == len(written) == 4 * (3 << 20) + 4
+    assert result.checksum == expected.hexdigest()

@@ -14,8 +14,10 @@ import copy
 import ctypes
 import errno
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lightning_elastic.core.storage.base import Buffer, Entry, Storage, Written
@@ -296,16 +298,41 @@ def _write_exclusive(
 def drain(
     chunks: Iterable[Buffer], checksum: str | None, write: Callable[[memoryview], Any]
 ) -> Written:
-    """Hand every chunk to ``write`` and hash it on the way."""
+    """Hand every chunk to ``write`` and hash it on the way: a large chunk is hashed on a
+    second thread while this one writes it (the write releases the GIL), which takes the
+    checksum off the write's critical path; each chunk is hashed before the next is asked
+    for, since a chunk source may reuse its buffer."""
     hasher: Hasher | None = new_hasher(checksum) if checksum else None
     size = 0
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
-        if hasher is not None:
-            hasher.update(view)
-        write(view)
+        if hasher is not None and view.nbytes >= _OVERLAP_BYTES:
+            hashed = _hash_thread().submit(hasher.update, view)
+            try:
+                write(view)
+            finally:
+                hashed.result()
+        else:
+            if hasher is not None:
+                hasher.update(view)
+            write(view)
         size += view.nbytes
     return Written(size, hasher.hexdigest() if hasher is not None else None)
+
+
+# chunks at least this large are hashed while they are written (a write chunk is 16 MiB)
+_OVERLAP_BYTES = 1 << 20
+_hasher_thread: ThreadPoolExecutor | None = None
+_hasher_lock = threading.Lock()
+
+
+def _hash_thread() -> ThreadPoolExecutor:
+    """The one thread that hashes chunks being written (created on first use, kept)."""
+    global _hasher_thread
+    with _hasher_lock:
+        if _hasher_thread is None:
+            _hasher_thread = ThreadPoolExecutor(1, thread_name_prefix="lightning-elastic-hash")
+        return _hasher_thread
 
 
 class _LocalFile:
