@@ -81,7 +81,7 @@ def test_nothing_read_the_whole_file_is_hashed(tmp_path) -> None:
 def test_a_short_or_missing_file_is_a_problem_not_an_error(tmp_path) -> None:
     reader, path = reader_over(tmp_path, on_disk=DATA[:-10])
     [problem] = reader.finish_verification()
-    assert "unreadable" in problem.reason and "ended" in problem.reason
+    assert problem.reason == f"size is {len(DATA) - 10} bytes, the manifest says {len(DATA)}"
     reader, path = reader_over(tmp_path)
     path.unlink()
     [problem] = reader.finish_verification()
@@ -219,4 +219,40 @@ def test_a_named_corrupt_checkpoint_loaded_in_place_says_the_state_is_partly_its
     with pytest.raises(IntegrityError, match="checksum") as info:  # into a new state: no note
         eng.load(None, checkpoint="step_000000001")
     assert "partly" not in str(info.value)
+    eng.close()
+
+
+def test_a_read_error_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch) -> None:
+    """An I/O error while reading a shard (retries spent) fails the load with that error; it
+    never quarantines a checkpoint whose bytes were not shown to be wrong."""
+    from lightning_elastic.errors import CheckpointLoadError, StorageError
+
+    eng = CheckpointEngine(tmp_path)
+    eng.save(make_state(1), step=1).result()
+    local = type(Storage(tmp_path))
+
+    def failing(self, rel, ranges):
+        raise StorageError("read", rel, "EIO (injected)")
+
+    monkeypatch.setattr(local, "read_ranges", failing)
+    with pytest.raises((StorageError, CheckpointLoadError), match="EIO"):
+        eng.load(template())
+    assert not (tmp_path / "step_000000001" / QUARANTINE_FILE).exists()
+    monkeypatch.undo()
+    # only the hashing of the bytes no one needed fails: no verdict, the error is kept
+    (tmp_path / "x").mkdir()
+    reader, _ = reader_over(tmp_path / "x")
+    original = local.read_ranges
+    calls: list[str] = []
+
+    def tail_fails(self, rel, ranges):
+        calls.append(rel)
+        if len(calls) > 1:
+            raise StorageError("read", rel, "EIO (injected)")
+        return original(self, rel, ranges)
+
+    monkeypatch.setattr(local, "read_ranges", tail_fails)
+    reader.read_ranges("f.distcp", [(0, out(100))])
+    assert reader.finish_verification() == []  # no problem claimed
+    assert reader.verify_error is not None and "EIO" in str(reader.verify_error)
     eng.close()

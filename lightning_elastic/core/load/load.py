@@ -193,7 +193,7 @@ def _load_checkpoint(
         failure = exc  # corrupt bytes can make the load fail: the verdict decides what it was
     if fused:
         verifying = time.monotonic()
-        _agree_integrity(coord, info, reader.finish_verification())
+        _agree_integrity(coord, info, reader.finish_verification(), reader.verify_error)
         verify_s += time.monotonic() - verifying
         if failure is not None:
             raise failure
@@ -219,20 +219,30 @@ def _load_checkpoint(
     )
 
 
-def _agree_integrity(coord: Coordinator, info: CheckpointInfo, problems: list[Problem]) -> None:
+def _agree_integrity(
+    coord: Coordinator, info: CheckpointInfo, problems: list[Problem], error: Exception | None
+) -> None:
     """Every rank together: raise :class:`CorruptWhileLoading` on all of them when any rank
-    found a problem in the files it verified (one all-reduce; the problems travel only then)."""
+    found a problem in the files it verified, else a :class:`CheckpointLoadError` naming the
+    ranks whose verifying reads failed (one all-reduce; details travel only then)."""
+    failures = [_Failure.of(coord.rank, error)] if error is not None else []
     if coord.distributed:
-        failed = coord.max_ints(
-            [1 if problems else 0], Phase.LOAD_VERIFY, error=CheckpointLoadError
+        found, broken = coord.max_ints(
+            [1 if problems else 0, 1 if failures else 0],
+            Phase.LOAD_VERIFY,
+            error=CheckpointLoadError,
         )
-        if failed[0]:
+        if found or broken:
             gathered = coord.all_gather(
-                Phase.LOAD_VERIFY, lambda: problems, error=CheckpointLoadError
+                Phase.LOAD_VERIFY, lambda: (problems, failures), error=CheckpointLoadError
             )
-            problems = [problem for verdict in gathered for problem in verdict]
+            problems = [problem for verdict, _ in gathered for problem in verdict]
+            failures = [failure for _, rank_failures in gathered for failure in rank_failures]
     if problems:
         raise CorruptWhileLoading(info.location, problems)
+    if failures:
+        ranks = [RankFailure(f.rank, Phase.LOAD_VERIFY, f.type_name, f.message) for f in failures]
+        raise CheckpointLoadError(info.location, ranks) from error
 
 
 def _per_rank_paths(

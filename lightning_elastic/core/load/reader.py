@@ -44,6 +44,7 @@ class _Check:
     record: FileRecord
     hasher: Hasher
     pos: int = 0
+    failed: bool = False  # a read of it failed: its checksum can no longer be judged
 
 
 class ShardReader(StorageReader):
@@ -75,6 +76,9 @@ class ShardReader(StorageReader):
         self.algorithm = algorithm
         self._checks = {r.path: _Check(r, new_hasher(algorithm)) for r in verify}
         self._scratch: memoryview | None = None
+        #: a read that failed while only hashing (an I/O error, not a mismatch): the load
+        #: fails with it rather than call the checkpoint corrupt
+        self.verify_error: StorageError | None = None
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, torch.Size]] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -150,7 +154,11 @@ class ShardReader(StorageReader):
     def _run(self, check: _Check, queued: list[tuple[int, memoryview, int]]) -> None:
         """Read what is queued (one ``read_ranges`` call), then hash it in order."""
         if queued:
-            self.storage.read_ranges(check.record.path, [(o, out) for o, out, _ in queued])
+            try:
+                self.storage.read_ranges(check.record.path, [(o, out) for o, out, _ in queued])
+            except BaseException:
+                check.failed = True  # the hash misses these bytes: no verdict on this file
+                raise
             for _, out, hashed in queued:
                 if hashed < out.nbytes:
                     check.hasher.update(out[hashed:])
@@ -175,17 +183,35 @@ class ShardReader(StorageReader):
 
     def finish_verification(self) -> list[Problem]:
         """Hash the rest of every file this reader verifies and compare with the manifest:
-        the problems found (a missing or short file is one, not an error)."""
+        the problems found (a missing file, or one whose size changed, is one). A file whose
+        read failed otherwise gets no verdict: a transient I/O error must not quarantine a
+        good checkpoint. The error is kept in :attr:`verify_error` when it happened here; one
+        that happened during the load's own reads is the load's error already."""
         problems = []
         for path, check in self._checks.items():
             record = check.record
+            failed_in_load = check.failed  # the load's own read of it failed (its error)
             try:
+                if failed_in_load:
+                    raise StorageError("read", path, "a read of it failed during the load")
                 self._hash_gap(check, record.size, [])
             except StorageNotFoundError:
                 problems.append(Problem(path, "file is missing"))
                 continue
             except StorageError as exc:
-                problems.append(Problem(path, f"unreadable: {exc}"))
+                try:
+                    size = self.storage.size(path)
+                except StorageNotFoundError:
+                    problems.append(Problem(path, "file is missing"))
+                    continue
+                except StorageError:
+                    size = record.size  # the probe fails too: no verdict
+                if size != record.size:  # it changed since selection checked its size
+                    problems.append(
+                        Problem(path, f"size is {size} bytes, the manifest says {record.size}")
+                    )
+                elif not failed_in_load:
+                    self.verify_error = self.verify_error or exc
                 continue
             checksum = check.hasher.hexdigest()
             if checksum != record.checksum:
