@@ -40,7 +40,7 @@ import os
 import runpy
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
@@ -155,20 +155,12 @@ def _start_warm(args: argparse.Namespace) -> None:
     # torchrun sets OMP_NUM_THREADS for the workers when it builds its config; the server must
     # see it before it imports torch (OpenMP reads it when the library loads)
     torchrun_entry()[1](argparse.Namespace(**vars(args)))
-    saved = {k: os.environ.get(k) for k in ("PYTHONUNBUFFERED", PRELOAD_ENV)}
-    os.environ["PYTHONUNBUFFERED"] = "1"  # what torchrun's `python -u` gives the workers
-    os.environ[PRELOAD_ENV] = ",".join(modules)
-    try:
+    # PYTHONUNBUFFERED: what torchrun's `python -u` gives the workers
+    with _environ(PYTHONUNBUFFERED="1", **{PRELOAD_ENV: ",".join(modules)}):
         # the server imports them through lightning_elastic._preload, which reports a module
         # that fails to import instead of letting it take the server down
         multiprocessing.set_forkserver_preload(["lightning_elastic._preload"])
         multiprocessing.forkserver.ensure_running()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     log.info("warm start: workers fork from a server that imported %s", ", ".join(modules))
 
 
@@ -179,9 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     run = torchrun_entry()[2]
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    with tempfile.TemporaryDirectory(prefix="lightning-elastic-exits-") as folder:
-        previous = os.environ.get(PLANNED_EXIT_ENV)
-        os.environ[PLANNED_EXIT_ENV] = folder  # the workers inherit the agent's environment
+    with (
+        tempfile.TemporaryDirectory(prefix="lightning-elastic-exits-") as folder,
+        _environ(**{PLANNED_EXIT_ENV: folder}),  # the workers inherit the agent's environment
+    ):
         try:
             warm = bool(args.warm_start or args.preload)
             if warm:
@@ -195,9 +188,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # a bad rendezvous option (found when the agent starts) or ours
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        finally:
-            if previous is None:
-                os.environ.pop(PLANNED_EXIT_ENV, None)
-            else:
-                os.environ[PLANNED_EXIT_ENV] = previous
     return 0
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Within the block, ``os.environ`` holds ``values``; as before after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -190,28 +190,18 @@ class ShardReader(StorageReader):
         problems = []
         for path, check in self._checks.items():
             record = check.record
-            failed_in_load = check.failed  # the load's own read of it failed (its error)
-            try:
-                if failed_in_load:
-                    raise StorageError("read", path, "a read of it failed during the load")
-                self._hash_gap(check, record.size, [])
-            except StorageNotFoundError:
-                problems.append(Problem(path, "file is missing"))
-                continue
-            except StorageError as exc:
+            error: StorageError | None = None
+            if not check.failed:  # else the load's own read of it failed: that is its error
                 try:
-                    size = self.storage.size(path)
-                except StorageNotFoundError:
-                    problems.append(Problem(path, "file is missing"))
-                    continue
-                except StorageError:
-                    size = record.size  # the probe fails too: no verdict
-                if size != record.size:  # it changed since selection checked its size
-                    problems.append(
-                        Problem(path, f"size is {size} bytes, the manifest says {record.size}")
-                    )
-                elif not failed_in_load:
-                    self.verify_error = self.verify_error or exc
+                    self._hash_gap(check, record.size, [])
+                except StorageError as exc:
+                    error = exc
+            if check.failed:  # a read failed: only a missing file or a new size is a verdict
+                problem = self._size_problem(record)
+                if problem is not None:
+                    problems.append(problem)
+                elif error is not None:
+                    self.verify_error = self.verify_error or error
                 continue
             checksum = check.hasher.hexdigest()
             if checksum != record.checksum:
@@ -225,6 +215,19 @@ class ShardReader(StorageReader):
         self._checks = {}
         self._scratch = None
         return problems
+
+    def _size_problem(self, record: FileRecord) -> Problem | None:
+        """The problem with ``record``'s file when it is gone or its size changed since
+        selection checked it; ``None`` when its size is right or cannot be told."""
+        try:
+            size = self.storage.size(record.path)
+        except StorageNotFoundError:
+            return Problem(record.path, "file is missing")
+        except StorageError:
+            return None
+        if size != record.size:
+            return Problem(record.path, f"size is {size} bytes, the manifest says {record.size}")
+        return None
 
     # helpers ---------------------------------------------------------------------------
 

@@ -111,12 +111,16 @@ def fused_share(manifest: Manifest, rank: int, world_size: int) -> list[FileReco
     """The shard files whose checksums ``rank`` computes while a fused load reads them: each
     file by one rank, its writer's rank modulo the world size (at the same world size every
     rank verifies the file it wrote, the one it reads most of)."""
-    shards = [r for r in manifest.files if r.path.endswith(SHARD_SUFFIX)]
+    shards = [r for r in manifest.files if _is_shard(r)]
     return [
         r
         for i, r in enumerate(shards)
         if (r.rank if r.rank is not None else i) % world_size == rank
     ]
+
+
+def _is_shard(record: FileRecord) -> bool:
+    return record.path.endswith(SHARD_SUFFIX)
 
 
 def _verify(
@@ -132,8 +136,8 @@ def _verify(
     records = list(manifest.files)
     sized: list[FileRecord] = []
     if fused and mode == "full":  # the load hashes the shard files as it reads them
-        sized = [r for r in records if r.path.endswith(SHARD_SUFFIX)]
-        records = [r for r in records if not r.path.endswith(SHARD_SUFFIX)]
+        sized = [r for r in records if _is_shard(r)]
+        records = [r for r in records if not _is_shard(r)]
     share = records[coord.rank :: coord.world_size]
 
     def check() -> list[Problem]:
