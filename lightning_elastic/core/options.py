@@ -24,6 +24,8 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_count",
+    "check_factor",
+    "check_port",
     "check_run_name",
     "check_seconds",
     "check_signals",
@@ -48,6 +50,26 @@ def check_count(value: Any, name: str, *, minimum: int = 1) -> int:
     if value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
     return int(value)
+
+
+def check_port(value: Any, name: str = "metrics_port") -> int | None:
+    """``None`` or a TCP port number (``0``: any free port)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"{name} must be None or a port in 0..65535, got {_given(value)}")
+    return int(value)
+
+
+def check_factor(value: Any, name: str = "straggler_factor") -> float | None:
+    """``None`` or a finite number > 1 (a ratio to the median)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be None or a number > 1, got {_given(value)}")
+    if not (math.isfinite(value) and value > 1):
+        raise ConfigError(f"{name} must be None or a number > 1, got {value!r}")
+    return float(value)
 
 
 def check_bool(value: Any, name: str) -> bool:

@@ -118,6 +118,7 @@ class StepDecision:
     time_due: bool = False
     signal: int = 0  # 0: none; else the (largest) signal number any rank received
     requested: bool = False  # some rank asked for a checkpoint (e.g. on demand)
+    shared: tuple[int, ...] = ()  # the element-wise maximum of what ranks passed as ``shared``
 
     @property
     def save(self) -> bool:
@@ -126,19 +127,33 @@ class StepDecision:
 
 
 class Agreement:
-    """One all-reduce per check: ``[signal, time_due (rank 0), requested]`` by maximum."""
+    """One all-reduce per check: ``[signal, time_due (rank 0), requested, *shared]`` by
+    maximum. ``shared`` lets other per-step information ride along (every rank's step timings,
+    each in its own slots: see :mod:`~lightning_elastic.core.dist.straggler`); all ranks pass
+    vectors of the same length at the same step."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
 
     def decide(
-        self, *, interval: EveryInterval | None, flag: SignalFlag | None, requested: bool
+        self,
+        *,
+        interval: EveryInterval | None,
+        flag: SignalFlag | None,
+        requested: bool,
+        time_due: bool = False,
+        shared: Sequence[int] = (),
     ) -> StepDecision:
         """The decision every rank shares for this step boundary (a collective: all ranks call it
-        together); only rank 0 checks ``interval``."""
-        time_due = interval is not None and self.coordinator.is_coordinator and interval.due()
-        received = flag.received if flag is not None else 0
-        signum, due, asked = self.coordinator.max_ints(
-            [received, int(time_due), int(requested)], Phase.SAVE_DECIDE, track=False
+        together); only rank 0 checks ``interval`` and its ``time_due`` counts (another time
+        policy's verdict, e.g. the adaptive cadence's)."""
+        due_here = self.coordinator.is_coordinator and (
+            time_due or (interval is not None and interval.due())
         )
-        return StepDecision(time_due=bool(due), signal=signum, requested=bool(asked))
+        received = flag.received if flag is not None else 0
+        signum, due, asked, *rest = self.coordinator.max_ints(
+            [received, int(due_here), int(requested), *shared], Phase.SAVE_DECIDE, track=False
+        )
+        return StepDecision(
+            time_due=bool(due), signal=signum, requested=bool(asked), shared=tuple(rest)
+        )
