@@ -34,6 +34,7 @@ __all__ = [
     "StorageFullError",
     "StorageNotFoundError",
     "StoragePermissionError",
+    "StragglerWarning",
     "TransientStorageError",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
@@ -184,6 +185,11 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 
 class CorruptCheckpointWarning(UserWarning):
     """A checkpoint failed verification and was skipped (and quarantined)."""
+
+
+class StragglerWarning(RuntimeWarning):
+    """A rank was slower than the median rank by more than ``straggler_factor`` over a window
+    (the message names the rank, its node and whether the time went into the step or saves)."""
 
 
 class CheckpointMismatchError(ConfigError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import signal as signal_module
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -44,18 +45,22 @@ from lightning.pytorch.strategies import (
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.integrity import VERIFY_MODES
+from lightning_elastic.core.observe.history import RunHistory
 from lightning_elastic.core.options import (
     check_bool,
     check_choice,
+    check_count,
+    check_factor,
+    check_port,
     check_run_name,
     check_seconds,
     check_signals,
     one_timeout,
 )
+from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.policy.triggers import (
     Agreement,
-    EveryInterval,
     EveryNEpochs,
     EveryNSteps,
     SignalFlag,
@@ -64,6 +69,7 @@ from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
 from lightning_elastic.lightning.fork_safety import warn_forking_workers
 from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
+from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
@@ -89,7 +95,11 @@ class DistributedCheckpoint(Checkpoint):
         storage_options: fsspec options for ``dirpath`` (credentials, endpoint_url, ...).
         every_n_train_steps: save every N optimizer steps (``global_step``).
         train_time_interval: save when this much training time passed since the last save
-            (a ``timedelta`` or seconds); decided by rank 0's clock for all ranks.
+            (a ``timedelta`` or seconds); decided by rank 0's clock for all ranks. ``"auto"``:
+            the interval follows Young-Daly, ``sqrt(2 x cost x MTBF)``, from each save's
+            measured cost (see ``mtbf``, ``max_overhead`` and docs/cadence.md);
+            ``"continuous"``: save as soon as the previous save committed and
+            ``min_interval`` passed.
         every_n_epochs: save at the end of every N-th training epoch.
         save_on_train_end: save when training ends (unless the last step is saved already).
         async_save: return to training once the state is staged in host memory.
@@ -116,6 +126,21 @@ class DistributedCheckpoint(Checkpoint):
         run_name: this run's identity, recorded in every manifest: ``resume="auto"`` resumes only
             this run's checkpoints and retention only deletes them. Default: the run whose
             checkpoint is newest in ``dirpath`` is continued (see docs/resuming.md).
+        mtbf: with ``train_time_interval="auto"``: one node's mean time between failures
+            (``"4h"``, ``"90m"``, seconds or a ``timedelta``); the job's is this over the number
+            of nodes. Default: measured from the run's restart history in ``dirpath`` (until a
+            first failure, saves are only bounded by ``max_overhead``).
+        max_overhead: with ``"auto"``: the largest fraction of training time saves may cost.
+        min_interval: with ``"continuous"``: the least time between two saves (default 60 s).
+        metrics_port: serve this rank's health metrics for Prometheus on
+            ``metrics_port + local rank`` (``0``: any free port; needs ``prometheus_client``,
+            the ``metrics`` extra). Default: not served (the loggers still get them).
+        straggler_factor: report a rank whose step time exceeds the median rank's by this
+            factor over a window (``None``: never).
+        straggler_window: optimizer steps per straggler window (every rank's timings ride on
+            the per-step agreement at each window's last step).
+        history: record the run's events (starts, resumes, commits, progress) in
+            ``dirpath/_history`` for ``lightning-elastic report`` and the lost-work metrics.
     """
 
     def __init__(
@@ -124,7 +149,7 @@ class DistributedCheckpoint(Checkpoint):
         *,
         storage_options: dict[str, Any] | None = None,
         every_n_train_steps: int | None = None,
-        train_time_interval: timedelta | float | None = None,
+        train_time_interval: timedelta | float | str | None = None,
         every_n_epochs: int | None = None,
         save_on_train_end: bool = True,
         async_save: bool = True,
@@ -142,6 +167,13 @@ class DistributedCheckpoint(Checkpoint):
         compression: str | None = None,
         trusted: bool = False,
         run_name: str | None = None,
+        mtbf: timedelta | float | str | None = None,
+        max_overhead: float = 0.01,
+        min_interval: timedelta | float | None = None,
+        metrics_port: int | None = None,
+        straggler_factor: float | None = 1.5,
+        straggler_window: int = 50,
+        history: bool = True,
     ) -> None:
         if dirpath is not None and not isinstance(dirpath, (str, Path)):
             raise ConfigError(f"dirpath must be a path or URL string, got {dirpath!r}")
@@ -154,11 +186,15 @@ class DistributedCheckpoint(Checkpoint):
             None if every_n_train_steps is None else EveryNSteps(every_n_train_steps)
         )
         self._epoch_trigger = None if every_n_epochs is None else EveryNEpochs(every_n_epochs)
-        self._interval = (
-            None
-            if train_time_interval is None
-            else EveryInterval(check_seconds(train_time_interval, "train_time_interval"))
+        self._cadence = Cadence.of(
+            train_time_interval, mtbf=mtbf, max_overhead=max_overhead, min_interval=min_interval
         )
+        self._interval = self._cadence.interval
+        self.metrics_port = check_port(metrics_port)
+        self.straggler_factor = check_factor(straggler_factor)
+        self.straggler_window = check_count(straggler_window, "straggler_window")
+        self.history = check_bool(history, "history")
+        self._monitor: HealthMonitor | None = None
         self.save_on_train_end = check_bool(save_on_train_end, "save_on_train_end")
         self.async_save = check_bool(async_save, "async_save")
         self.when_busy = check_choice(when_busy, "when_busy", ("wait", "skip"))
@@ -201,6 +237,9 @@ class DistributedCheckpoint(Checkpoint):
         self._batch_start_step = -1
         # decided at a step's end, taken at the next quiet point: (reason, signal number or 0)
         self._deferred: tuple[str, int] | None = None
+        self._reason = ""  # of the save in flight
+        self._first_step = False
+        self._setup_unix = 0.0
 
     # ------------------------------------------------------------------ public API
 
@@ -221,6 +260,12 @@ class DistributedCheckpoint(Checkpoint):
         """What loading the checkpoint this fit resumed from cost this rank (selection,
         verification, read, bytes), or ``None`` when it started fresh."""
         return None if self._session is None else self._session.resume_cost
+
+    @property
+    def health(self) -> HealthMonitor | None:
+        """What this rank observed in the last ``fit`` (``health.health``: the metrics;
+        ``stragglers``: the last window's findings; ``port``: the metrics endpoint's)."""
+        return self._monitor
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the end of the current optimizer step (any rank may ask);
@@ -258,6 +303,16 @@ class DistributedCheckpoint(Checkpoint):
         if stage == "fit":
             self._engine.check_writable()  # a bad dirpath fails here, not at the first save
         self._agreement = Agreement(session.ensure_coordinator())
+        self._setup_unix = time.time()
+        if stage == "fit":
+            self._monitor = HealthMonitor(
+                straggler_factor=self.straggler_factor, straggler_window=self.straggler_window
+            )
+            self._monitor.start(
+                session.ensure_coordinator(),
+                port=self.metrics_port,
+                local_rank=trainer.local_rank,
+            )
         install_resume_hook(
             trainer,
             session,
@@ -278,6 +333,46 @@ class DistributedCheckpoint(Checkpoint):
             self._interval.start()
         self._last_step = trainer.global_step  # never re-save the step we resumed at
         self._deferred = None
+        self._first_step = True
+        if self._monitor is not None:
+            self._start_monitor(trainer)
+
+    def _start_monitor(self, trainer: pl.Trainer) -> None:
+        """Open the run's history (rank 0), note the resume, choose the adaptive cadence."""
+        assert self._monitor is not None and self._session is not None
+        engine = self.engine
+        history = None
+        if self.history and engine.rank == 0:
+            history = RunHistory(
+                engine.storage,
+                run_id=engine.run_id,
+                progress_every_s=HealthMonitor.progress_every_s,
+            )
+        self._monitor.train_start(
+            history,
+            self._session.ensure_coordinator(),
+            step=trainer.global_step,
+            resumed=Resumed.of(self._session.resumed, self._session.resume_cost),
+            setup_unix=self._setup_unix,
+        )
+        cadence = self._cadence.build_auto(
+            nodes=self._monitor.nodes, history_mtbf_s=self._monitor.history_mtbf_s
+        )
+        self._monitor.cadence = cadence
+        if cadence is not None and self._interval is not None:
+            self._interval.seconds = cadence.interval_s
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
+    ) -> None:
+        if self._monitor is not None:
+            self._monitor.before_backward()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self._monitor is not None:
+            self._monitor.before_optimizer_step()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._uninstall_signals()
@@ -286,6 +381,8 @@ class DistributedCheckpoint(Checkpoint):
             checkpoint = self._train_end_checkpoint(trainer)
             self._save(trainer, reason="train_end", blocking=True, checkpoint=checkpoint)
         self._finish_pending(trainer, wait=True)
+        if self._monitor is not None:
+            self._monitor.train_end(trainer.global_step, reason="train_end")
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -296,6 +393,8 @@ class DistributedCheckpoint(Checkpoint):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         uninstall_resume_hook(trainer)
         uninstall_dataloader_hook(trainer)
+        if self._monitor is not None:
+            self._monitor.close()  # kept: its metrics stay readable after fit
         try:
             if self._session is not None:
                 self._session.close()
@@ -315,7 +414,13 @@ class DistributedCheckpoint(Checkpoint):
         # the quiet point: everything Lightning does for the previous step (validation,
         # schedulers, epoch end) is done, and nothing of this batch has run but the callbacks'
         # on_train_batch_start before ours (Lightning runs Checkpoint callbacks last)
-        self._take_deferred(trainer, between_batches=True)
+        monitor = self._monitor
+        if monitor is None:
+            self._take_deferred(trainer, between_batches=True)
+        else:
+            monitor.batch_start()
+            with monitor.saving():
+                self._take_deferred(trainer, between_batches=True)
         self._batch_start_step = trainer.global_step
         if self._session is not None:
             self._session.on_train_batch_start()
@@ -336,13 +441,29 @@ class DistributedCheckpoint(Checkpoint):
             # counts), so every rank skips the agreement below together.
             return
         due = self._step_trigger is not None and self._step_trigger.due(step)
+        busy = self._pending is not None and not self._pending.done()
+        monitor = self._monitor
+        if monitor is not None:
+            monitor.step_end(step=step, writing=busy)
+        continuous = self._cadence.continuous
         # Every rank joins this agreement at every optimizer step, whatever it saw locally (a
         # signal, a request, rank 0's clock): a collective entered by some ranks only would hang.
         assert self._agreement is not None
         decision = self._agreement.decide(
-            interval=self._interval, flag=self._flag, requested=self._requested
+            interval=self._interval,
+            flag=self._flag,
+            requested=self._requested,
+            time_due=continuous is not None and continuous.due(busy=busy),
+            shared=[] if monitor is None else monitor.shared(step),
         )
         self._requested = False
+        if monitor is not None:
+            monitor.after_agreement(step, decision.shared, trainer.loggers)
+            if self._first_step:
+                monitor.first_step(trainer.loggers, step)
+            monitor.step_recorded(step)
+            monitor.step_done()
+        self._first_step = False
         if decision.signal:
             self._deferred = (
                 f"signal:{signal_module.Signals(decision.signal).name}",
@@ -428,11 +549,16 @@ class DistributedCheckpoint(Checkpoint):
             self._engine, reason=reason, blocking=blocking, metrics=metrics, checkpoint=checkpoint
         )
         if handle is None:  # skipped: the previous save is still being written
+            if self._monitor is not None:
+                self._monitor.skipped()
             return
         self._finish_pending(trainer, wait=True)  # the engine waited for it: report it
         self._last_step = trainer.global_step
+        self._reason = reason
         if self._interval is not None:
             self._interval.saved()
+        if self._cadence.continuous is not None:
+            self._cadence.continuous.saved()
         self.last_model_path = self._engine.storage.display(handle.name)
         score = metrics.get(self.monitor) if self.monitor else None
         if score is not None and self._better(score):
@@ -441,6 +567,8 @@ class DistributedCheckpoint(Checkpoint):
             self._report(trainer, handle)
         else:
             self._pending = handle
+            if self._monitor is not None:
+                self._monitor.in_flight()
 
     def _better(self, score: float) -> bool:
         best = self.best_model_score
@@ -457,7 +585,20 @@ class DistributedCheckpoint(Checkpoint):
         self._report(trainer, handle)  # with wait: raises the save's error, on every rank
 
     def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
-        result: SaveResult = handle.result()
+        monitor = self._monitor
+        try:
+            result: SaveResult = handle.result()
+        except Exception as exc:
+            if monitor is not None:
+                monitor.failed(failure_phase(exc), handle.step, exc)
+            raise
+        if monitor is not None:
+            taken = (result.manifest.created_unix if result.manifest else time.time()) - (
+                result.total_s
+            )
+            monitor.committed(result, reason=self._reason, taken_unix=taken)
+            if monitor.cadence is not None and self._interval is not None:
+                self._interval.seconds = monitor.cadence.interval_s
         seconds = max(result.total_s, 1e-9)
         stats = {
             "checkpoint/blocked_s": result.blocked_s,
@@ -467,6 +608,8 @@ class DistributedCheckpoint(Checkpoint):
         }
         for logger in trainer.loggers:
             logger.log_metrics(stats, step=result.step)
+        if monitor is not None:
+            monitor.log_to(trainer.loggers, result.step)
         log.info("checkpoint %s committed (%s)", result.location, stats)
 
     def _preempt(
@@ -484,6 +627,8 @@ class DistributedCheckpoint(Checkpoint):
         self.preempted_by = signum
         self._uninstall_signals()
         trainer.should_stop = True
+        if self._monitor is not None:
+            self._monitor.train_end(trainer.global_step, reason=f"signal:{name}")
         if self.exit_on_signal:
             # tell `lightning-elastic run` this exit is a planned one (nothing outside it)
             record_planned_exit(128 + signum, trainer.global_step)

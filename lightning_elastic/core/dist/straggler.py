@@ -11,14 +11,14 @@ except in each rank's own slots is every rank's timings. Between windows the vec
 only the three decision flags.
 
 :func:`find_stragglers` then judges, identically on every rank, which ranks took more than
-``factor`` × the median rank's time, and whether the excess went into the step or the save.
+``factor`` × the median rank's time (the lower median of an even count), and whether the excess went into the step or the save.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import median
+from statistics import median, median_low
 
 __all__ = [
     "RankTiming",
@@ -120,9 +120,11 @@ def find_stragglers(
     and the median by at least ``min_excess_s`` (timer noise on very short steps)."""
     if len(timings) < 2:
         return []
-    mid = median(t.total_s for t in timings)
-    mid_local = median(t.local_s for t in timings)
-    mid_save = median(t.save_s for t in timings)
+    # the lower median: with 2 ranks the plain median is the mean, and a rank 10x slower
+    # than the other would be only ~2x "the median"
+    mid = median_low(t.total_s for t in timings)
+    mid_local = median_low(t.local_s for t in timings)
+    mid_save = median_low(t.save_s for t in timings)
     found = []
     for rank, t in enumerate(timings):
         if t.total_s > factor * mid and t.total_s - mid >= min_excess_s:

@@ -130,10 +130,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 def metric_key(name: str, labels: Mapping[str, str]) -> str:
-    """``name/a=x,b=y``: the key the trainer's loggers get (CSV columns, TensorBoard tags)."""
+    """``name/x/y`` (the label values, by label name): the key the trainer's loggers get, the
+    same in CSV columns and TensorBoard tags (which keep only letters, digits, ``_./-``)."""
     if not labels:
         return name
-    return name + "/" + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return "/".join([name, *(str(v) for _k, v in sorted(labels.items()))])
 
 
 class Health:

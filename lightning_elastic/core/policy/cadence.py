@@ -61,7 +61,7 @@ def parse_duration(value: object, what: str) -> float:
                 f"{what} must be a duration like '4h', '90m', '30s' or a number of seconds, "
                 f"got {value!r}"
             ) from None
-    return check_seconds(value, what)  # type: ignore[arg-type]
+    return check_seconds(value, what)
 
 
 def young_daly(cost_s: float, mtbf_s: float) -> float:

@@ -1,0 +1,517 @@
+"""What ``DistributedCheckpoint`` observes while training: step timings (for straggler
+detection and the adaptive cadence), each save's cost, the resume's lost work and recovery
+time; exported as metrics (:mod:`~lightning_elastic.core.observe.health`), to the trainer's
+loggers, and into the run history in the checkpoint directory
+(:mod:`~lightning_elastic.core.observe.history`, rank 0 writes it).
+
+Which rank calls what: every rank calls every hook in the same order at the same steps (they
+are the callback's); :meth:`HealthMonitor.shared` and :meth:`HealthMonitor.after_agreement`
+wrap the per-step agreement, which is a collective. Only rank 0 writes history, and only
+rank 0's cadence counts (the time trigger is rank 0's clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.dist.straggler import (
+    StepWindow,
+    Straggler,
+    decode_slots,
+    encode_slots,
+    find_stragglers,
+)
+from lightning_elastic.core.format.catalog import Catalog
+from lightning_elastic.core.observe.health import Health
+from lightning_elastic.core.policy.cadence import (
+    AutoCadence,
+    CadenceChoice,
+    mtbf_from_history,
+    slowdown,
+)
+from lightning_elastic.errors import Phase, StragglerWarning
+
+if TYPE_CHECKING:
+    from lightning_elastic.core.load.load import LoadResult
+    from lightning_elastic.core.observe.history import RunHistory
+    from lightning_elastic.core.save.request import SaveResult
+    from lightning_elastic.lightning.session import ResumeCost
+
+__all__ = ["HealthMonitor", "Resumed", "failure_phase", "node_name", "process_start_unix"]
+
+log = logging.getLogger(__name__)
+
+_P = "lightning_elastic_"
+NODE_ENV = "LIGHTNING_ELASTIC_NODE"
+
+
+def node_name() -> str:
+    """This process's node: ``$LIGHTNING_ELASTIC_NODE`` when set (several "nodes" on one
+    machine in tests, or a scheduler's node id), else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+class HealthMonitor:
+    """One rank's observations of one ``fit``; see the module docstring."""
+
+    #: seconds between two progress records of rank 0 (the lost-work resolution)
+    progress_every_s = 10.0
+
+    def __init__(
+        self,
+        *,
+        straggler_factor: float | None,
+        straggler_window: int,
+        cadence: AutoCadence | None = None,
+        clock: Any = time.perf_counter,
+    ) -> None:
+        self.health = Health()
+        self.factor = straggler_factor
+        self.window = StepWindow(straggler_window)
+        self.cadence = cadence
+        self.clock = clock
+        self.history: RunHistory | None = None
+        self.hosts: list[str] = []
+        self.rank = 0
+        self.world_size = 1
+        self.stragglers: list[Straggler] = []  # found in the last window
+        # the step being timed
+        self._enter: float | None = None  # the first micro-batch's start
+        self._last_end: float | None = None  # the previous step's end (after the agreement)
+        self._data_s = 0.0
+        self._save_s = 0.0
+        self._mark: float | None = None  # forward start, or backward start
+        self._backward_s = 0.0
+        # whole-step seconds (rank 0, for the cadence): steps a background write overlapped,
+        # and recent ones it did not
+        self._during: list[float] = []
+        self._idle: deque[float] = deque(maxlen=200)
+        self._writer: ThreadPoolExecutor | None = None
+        self._catalog: Catalog | None = None
+        self._resume_fields: dict[str, Any] | None = None
+        self._restarts = (0, 0)
+        self._setup_unix = self._loaded_unix = 0.0
+        self.port: int | None = None
+        self.history_mtbf_s: float | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self, coordinator: Coordinator, *, port: int | None, local_rank: int) -> None:
+        """Learn every rank's node (one gather per fit) and serve ``/metrics`` if asked."""
+        self.rank, self.world_size = coordinator.rank, coordinator.world_size
+        self.hosts = coordinator.all_gather(Phase.AGREE, node_name, what="node names")
+        self.health.set(f"{_P}world_size", self.world_size)
+        if port is not None:
+            bound = self.health.serve(0 if port == 0 else port + local_rank)
+            log.info("rank %d serves metrics on port %d (/metrics)", self.rank, bound)
+            self.port = bound
+
+    @property
+    def nodes(self) -> int:
+        """Distinct nodes of the job."""
+        return max(1, len(set(self.hosts)))
+
+    # ------------------------------------------------------------------ step timing
+
+    def batch_start(self) -> None:
+        now = self.clock()
+        if self._enter is None:  # the step's first micro-batch
+            self._enter = now
+            if self._last_end is not None:
+                self._data_s = now - self._last_end
+        self._mark = now
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Time spent on checkpoints inside a step (staging, waiting for a write)."""
+        began = self.clock()
+        try:
+            yield
+        finally:
+            spent = self.clock() - began
+            self._save_s += spent
+            if self._mark is not None:
+                self._mark += spent  # not part of the forward
+
+    def before_backward(self) -> None:
+        self._mark = self.clock()
+
+    def before_optimizer_step(self) -> None:
+        if self._mark is not None:
+            self._backward_s += self.clock() - self._mark
+            self._mark = None
+
+    def step_end(self, *, step: int, writing: bool) -> None:
+        """At an optimizer step's last batch (before the agreement): close the step's timing;
+        ``writing``: a save was being written in the background during it."""
+        now = self.clock()
+        if self._enter is None:
+            return
+        wall = now - self._enter
+        local = max(0.0, wall - self._backward_s - self._save_s) + self._data_s
+        self.window.add(local, self._save_s)
+        (self._during if writing else self._idle).append(wall - self._save_s)
+        self._enter, self._mark = None, None
+        self._data_s = self._save_s = self._backward_s = 0.0
+        self.health.at_step(step)
+
+    def step_done(self) -> None:
+        """After the agreement: the next step's data wait starts now."""
+        self._last_end = self.clock()
+
+    # ------------------------------------------------------------------ stragglers
+
+    def window_ends(self, step: int) -> bool:
+        return self.factor is not None and self.world_size > 1 and step % self.window.steps == 0
+
+    def shared(self, step: int) -> list[int]:
+        """This rank's slots for the agreement vector (empty unless a window ends here)."""
+        if not self.window_ends(step):
+            return []
+        return encode_slots(self.rank, self.world_size, self.window.take())
+
+    def after_agreement(self, step: int, shared: Sequence[int], loggers: Sequence[Any]) -> None:
+        """Judge the window's timings (the same verdict on every rank)."""
+        if not self.window_ends(step) or len(shared) != 2 * self.world_size:
+            return
+        assert self.factor is not None
+        timings = decode_slots(shared, self.world_size)
+        mine = timings[self.rank]
+        self.health.set(f"{_P}step_seconds", mine.local_s, part="local")
+        self.health.set(f"{_P}step_seconds", mine.save_s, part="save")
+        self.stragglers = find_stragglers(timings, self.hosts, factor=self.factor)
+        self.health.set(f"{_P}stragglers", len(self.stragglers))
+        for found in self.stragglers:
+            self.health.inc(f"{_P}straggler_reports_total")
+            if self.rank == 0:
+                message = f"step {step}: {found.describe()}"
+                log.warning(message)
+                warnings.warn(message, StragglerWarning, stacklevel=2)
+                self._record(
+                    "straggler",
+                    step=step,
+                    rank=found.rank,
+                    host=found.host,
+                    factor=round(found.factor, 3),
+                    local_s=found.local_s,
+                    median_s=found.median_s,
+                    where=found.where,
+                )
+        self.log_to(loggers, step, f"{_P}step_seconds", f"{_P}stragglers")
+
+    # ------------------------------------------------------------------ saves
+
+    def committed(self, result: SaveResult, *, reason: str, taken_unix: float) -> None:
+        """A save is durable (every rank reports its own)."""
+        h = self.health
+        h.set(f"{_P}save_blocked_seconds", result.blocked_s)
+        h.set(f"{_P}save_write_seconds", result.writing_s)
+        h.set(f"{_P}save_commit_seconds", result.total_s)
+        h.set(f"{_P}save_bytes", result.bytes_written)
+        h.inc(f"{_P}saved_bytes_total", result.bytes_written)
+        h.inc(f"{_P}saves_total", reason=_reason_label(reason))
+        h.set(f"{_P}save_in_flight", 0)
+        h.checkpointed(taken_unix, result.step)
+        manifest = result.manifest  # rank 0's
+        history = self.history
+        if history is not None and manifest is not None:
+            fields = {
+                "name": result.name,
+                "step": result.step,
+                "reason": reason,
+                "bytes": manifest.total_bytes,
+                "blocked_s": result.blocked_s,
+                "write_s": result.writing_s,
+                "commit_s": result.total_s,
+                "world_size": manifest.world_size,
+            }
+            self._background(lambda: history.record("commit", **fields, **self._retained()))
+        if self.cadence is not None:
+            lost = slowdown(self._during, self._idle)
+            choice = self.cadence.observe(
+                blocked_s=result.blocked_s, slowdown_s=lost, write_s=result.total_s
+            )
+            self._during = []
+            self._cadence_chosen(choice, result.step)
+
+    def _cadence_chosen(self, choice: CadenceChoice, step: int) -> None:
+        h = self.health
+        h.set(f"{_P}checkpoint_interval_seconds", choice.interval_s)
+        h.set(f"{_P}checkpoint_cost_seconds", choice.cost_s)
+        if choice.mtbf_s is not None:
+            h.set(f"{_P}mtbf_seconds", choice.mtbf_s)
+        if self.rank == 0:
+            log.info("checkpoint cadence: %s", choice.describe())
+            self._record(
+                "cadence",
+                step=step,
+                interval_s=choice.interval_s,
+                cost_s=choice.cost_s,
+                write_s=choice.write_s,
+                mtbf_s=choice.mtbf_s,
+                bound=choice.bound,
+            )
+
+    def in_flight(self) -> None:
+        self.health.set(f"{_P}save_in_flight", 1)
+
+    def skipped(self) -> None:
+        self.health.inc(f"{_P}saves_skipped_total")
+
+    def failed(self, phase: str, step: int, error: BaseException) -> None:
+        self.health.inc(f"{_P}save_failures_total", phase=phase)
+        self.health.set(f"{_P}save_in_flight", 0)
+        if self.rank == 0:
+            self._record("save_failed", step=step, phase=phase, error=repr(error)[:500])
+
+    # ------------------------------------------------------------------ the run's history
+
+    def train_start(
+        self,
+        history: RunHistory | None,
+        coordinator: Coordinator,
+        *,
+        step: int,
+        resumed: Resumed | None,
+        setup_unix: float,
+    ) -> None:
+        """Training starts (after any resume; every rank calls it: one broadcast). Rank 0
+        opens the run's history and reads what the previous launch left there (its last
+        progress, earlier restarts); every rank gets those facts, and a resume's cost is
+        recorded at the first step, when the recovery is complete."""
+        self.history = history if self.rank == 0 else None
+        self._setup_unix, self._loaded_unix = setup_unix, time.time()
+
+        def facts() -> tuple[Any, tuple[int, int], float | None]:
+            if self.history is None:
+                return None, (0, 0), None
+            previous = self.history.last_progress()  # before this session writes its own
+            last = None
+            if previous is not None:
+                planned = bool(previous.fields.get("planned", False))
+                last = (int(previous.fields.get("step", 0)), previous.time, planned)
+            return last, self._count_restarts(), self.history_mtbf_s
+
+        last, self._restarts, self.history_mtbf_s = coordinator.broadcast(
+            Phase.AGREE, facts, what="run history"
+        )
+        if resumed is not None:
+            self._resume_fields = self._resume_record(resumed, last)
+        self._record(
+            "start",
+            step=step,
+            world_size=self.world_size,
+            hosts=self.hosts,
+            resumed_from=None if resumed is None else resumed.name,
+            resumed_step=None if resumed is None else resumed.step,
+        )
+        self._progress(step, force=True)
+
+    def _count_restarts(self) -> tuple[int, int]:
+        """Resumes of this run before this one, and those at another world size; also the
+        run's MTBF from its history (observed time over unplanned interruptions)."""
+        from lightning_elastic.core.observe.history import read_history
+
+        assert self.history is not None
+        try:
+            events, _skipped = read_history(self.history.storage, run_id=self.history.run_id)
+        except Exception as exc:  # observability never fails training
+            log.warning("could not read the run history: %r", exc)
+            return 0, 0
+        resumes = [e for e in events if e.kind == "resume"]
+        changes = sum(
+            1 for e in resumes if e.fields.get("world_size") != e.fields.get("previous_world_size")
+        )
+        failures = sum(1 for e in resumes if e.fields.get("planned") is False)
+        if events:
+            self.history_mtbf_s = mtbf_from_history(failures, time.time() - events[0].time)
+        return len(resumes), changes
+
+    def _resume_record(
+        self, resumed: Resumed, last: tuple[int, float, bool] | None
+    ) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "checkpoint": resumed.name,
+            "checkpoint_step": resumed.step,
+            "world_size": self.world_size,
+            "previous_world_size": resumed.world_size,
+            "interrupted_step": None,
+            "interrupted_time": None,
+            "lost_steps": None,
+            "lost_s": None,
+            "planned": None,
+        }
+        if last is not None:
+            step, when, planned = last
+            fields.update(
+                interrupted_step=step,
+                interrupted_time=when,
+                lost_steps=max(0, step - resumed.step),
+                lost_s=max(0.0, when - resumed.taken_unix),
+                planned=planned,
+            )
+        started = process_start_unix()
+        interrupted = fields["interrupted_time"]
+        fields["recovery"] = {
+            "downtime_s": None if started is None or interrupted is None else started - interrupted,
+            "startup_s": None if started is None else self._setup_unix - started,
+            "setup_s": max(0.0, self._loaded_unix - self._setup_unix - resumed.load_s),
+            "select_s": resumed.select_s,
+            "verify_s": resumed.verify_s,
+            "load_s": resumed.read_s,
+            "first_step_s": None,
+        }
+        return fields
+
+    def first_step(self, loggers: Sequence[Any], step: int) -> None:
+        """The first step after a resume is done: the recovery is complete; record it."""
+        fields, self._resume_fields = self._resume_fields, None
+        if fields is None:
+            return
+        fields["recovery"]["first_step_s"] = time.time() - self._loaded_unix
+        h = self.health
+        before, changes = self._restarts
+        h.inc(f"{_P}restarts_total", before + 1)
+        changed = fields["world_size"] != fields["previous_world_size"]
+        h.inc(f"{_P}world_size_changes_total", changes + int(changed))
+        if fields["lost_steps"] is not None:
+            h.set(f"{_P}lost_work_steps", fields["lost_steps"])
+            h.set(f"{_P}lost_work_seconds", fields["lost_s"])
+        for phase, seconds in fields["recovery"].items():
+            if seconds is not None:
+                h.set(f"{_P}recovery_seconds", seconds, phase=phase.removesuffix("_s"))
+        if self.rank == 0:
+            log.info("resumed: %s", fields)
+        self._record("resume", **fields)
+        self.log_to(loggers, step)
+
+    def step_recorded(self, step: int) -> None:
+        """Rank 0: the run's progress (throttled by the history: one small write per ~10 s)."""
+        self._progress(step)
+
+    def train_end(self, step: int, *, reason: str) -> None:
+        """Training ends, normally or by a signal: either way not a failure (a resume after it
+        lost nothing it did not plan to, and the MTBF does not count it)."""
+        self._progress(step, force=True, planned=True)
+        self._record("end", step=step, reason=reason)
+
+    def _progress(self, step: int, *, force: bool = False, planned: bool = False) -> None:
+        history = self.history
+        if history is not None:
+            self._background(lambda: history.progress(step, force=force, planned=planned))
+
+    # ------------------------------------------------------------------ output
+
+    def log_to(self, loggers: Sequence[Any], step: int, *names: str) -> None:
+        """Send the metrics (all, or ``names``) to the trainer's loggers."""
+        values = self.health.snapshot(*names)
+        if values:
+            for logger in loggers:
+                logger.log_metrics(values, step=step)
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        history = self.history
+        if history is not None:
+            self._background(lambda: history.record(kind, **fields))
+
+    def _retained(self) -> dict[str, int | None]:
+        """This run's valid checkpoints now (after retention): bytes and count (in the writer
+        thread: a listing, manifests are cached)."""
+        assert self.history is not None
+        if self._catalog is None:
+            self._catalog = Catalog(self.history.storage)
+        try:
+            mine = [
+                info
+                for info in self._catalog.valid()
+                if info.manifest is not None and info.run_id == self.history.run_id
+            ]
+        except Exception as exc:  # observability never fails training
+            log.warning("could not list the checkpoints for the run history: %r", exc)
+            return {"retained_bytes": None, "retained": None}
+        total = sum(info.manifest.total_bytes for info in mine if info.manifest is not None)
+        return {"retained_bytes": total, "retained": len(mine)}
+
+    def _background(self, write: Callable[[], Any]) -> None:
+        """History writes never wait on storage in the training loop (rank 0 only)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lightning-elastic-history")
+        self._writer.submit(write)
+
+    def close(self) -> None:
+        """Finish the history writes (each is bounded by the storage's timeouts) and stop the
+        metrics endpoint."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
+        self.health.close()
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a fit resumed from, and what loading it cost (rank 0's view)."""
+
+    name: str
+    step: int
+    world_size: int
+    taken_unix: float  # when its step was reached (its commit time less the save's duration)
+    load_s: float  # selection + verification + read
+    select_s: float
+    verify_s: float
+    read_s: float
+
+    @classmethod
+    def of(cls, result: LoadResult | None, cost: ResumeCost | None) -> Resumed | None:
+        """From the session's load result and cost (``None``: the fit started fresh)."""
+        if result is None or cost is None:
+            return None
+        manifest = result.manifest
+        timings = getattr(manifest, "timings", None)
+        took = timings.total_s if timings is not None else 0.0
+        return cls(
+            name=result.info.name,
+            step=int(manifest.step),
+            world_size=int(manifest.world_size),
+            taken_unix=float(manifest.created_unix) - took,
+            load_s=cost.seconds,
+            select_s=cost.selection_s,
+            verify_s=cost.verify_s,
+            read_s=cost.read_s,
+        )
+
+
+def failure_phase(exc: BaseException) -> str:
+    """The phase a save failed in, for a metric label (one word)."""
+    phases = getattr(exc, "phases", None)
+    if phases:
+        return str(sorted(phases)[0])
+    return str(getattr(exc, "phase_name", None) or "unknown")
+
+
+def process_start_unix() -> float | None:
+    """When this process started (Linux ``/proc``), ``None`` elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+        return time.time() - uptime + int(fields[19]) / ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reason_label(reason: str) -> str:
+    """``signal:SIGTERM`` -> ``signal`` (a bounded label set)."""
+    return reason.split(":", 1)[0]
