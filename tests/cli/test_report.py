@@ -155,6 +155,7 @@ def test_json_gives_the_same_data(root, capsys) -> None:
 
 
 def test_the_html_page_is_self_contained_with_the_figure_embedded(root, tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
     page = tmp_path / "out" / "report.html"
     page.parent.mkdir()
     code, out, _ = run(capsys, "report", str(root), "--output", str(page), "--json")
@@ -266,6 +267,7 @@ def test_the_other_verbs_ignore_the_history(root, capsys) -> None:
 
 
 def test_report_imports_neither_torch_nor_lightning(root, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
     code = (
         "import sys\nfrom lightning_elastic.cli import main\n"
         f"assert main(['report', {str(root)!r}, '--output', {str(tmp_path / 'r.html')!r}]) == 0\n"
@@ -456,6 +458,7 @@ def _manifest_info(
 
 
 def test_a_realistic_run_renders_every_panel() -> None:
+    pytest.importorskip("matplotlib")
     report = realistic_report()
     text = render_text(report)
     assert "resumes: 2" in text and "world size 4 -> 2 -> 3" in text
