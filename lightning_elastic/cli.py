@@ -1,5 +1,5 @@
-"""``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints; ``run``
-launches training like torchrun (see :mod:`lightning_elastic.launcher`).
+"""``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints, report on
+a run; ``run`` launches training like torchrun (see :mod:`lightning_elastic.launcher`).
 
 Works on local paths and fsspec URLs (``-o key=value`` passes storage options, e.g.
 ``-o endpoint_url=http://127.0.0.1:9000``). Every verb takes ``--json``: then everything it
@@ -15,16 +15,17 @@ Exit codes:
 
 * 0: done; for ``verify``, every checkpoint it checked is valid;
 * 1: ``verify``/``consolidate`` found a checkpoint corrupt (or, named alone, incomplete), or
-  had nothing to check; ``prune`` could not delete a checkpoint it planned to delete. In a
-  root, ``verify`` lists directories without a manifest as ``incomplete`` (a save in flight,
-  or a crashed one that the next save or ``prune`` collects) without failing for them;
+  had nothing to check (``report``: neither checkpoints nor history); ``prune`` could not
+  delete a checkpoint it planned to delete. In a root, ``verify`` lists directories without
+  a manifest as ``incomplete`` (a save in flight, or a crashed one that the next save or
+  ``prune`` collects) without failing for them;
 * 2: bad arguments, or a path that is not what the verb needs (missing, a file, a checkpoint
   root where one checkpoint is expected or the reverse), or a storage error;
 * 3: an unexpected error (one line; ``LIGHTNING_ELASTIC_DEBUG=1`` shows the traceback);
 * 130: interrupted; 141: stdout was closed early (``lightning-elastic ls DIR | head -1``).
 
-The manifest-only verbs (``ls``, ``inspect``, ``prune``, ``verify --mode size``) import
-neither Lightning nor torch.
+The manifest-only verbs (``ls``, ``inspect``, ``prune``, ``verify --mode size``, ``report``)
+import neither Lightning nor torch.
 """
 
 from __future__ import annotations
@@ -218,6 +219,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     _progress_flag(p)
     p.set_defaults(func=_consolidate)
+    p = verb(
+        "report",
+        "summarize the runs of a directory: checkpoints, world size, resumes, lost work, "
+        "problems, storage (text, or JSON; --output writes a self-contained HTML page)",
+        check="size",
+    )
+    p.add_argument("path", help="checkpoint root directory or URL")
+    p.add_argument("--output", "--html", metavar="FILE", help="write the HTML page to FILE")
+    p.add_argument("--run", dest="run_id", default=None, metavar="RUN_ID", help="only this run")
+    p.set_defaults(func=_report)
     return parser
 
 
@@ -754,6 +765,56 @@ def _consolidate(args: argparse.Namespace) -> int:
         "seconds": time.monotonic() - start,
     }
     print(json.dumps(summary) if args.json else f"wrote {args.output} from {info.location}")
+    return EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    """The checks and the error messages of the other verbs; the report itself is
+    :mod:`lightning_elastic.report` (matplotlib is imported only for ``--output``)."""
+    from lightning_elastic.core.observe.history import read_history
+    from lightning_elastic.report import CheckpointRow, build_report, render_html, render_text
+
+    storage, entries = _open(args, args.path)
+    if _is_checkpoint_dir(entries):
+        raise CliError(
+            f"{args.path} is a checkpoint, not a directory of checkpoints: run "
+            f"`lightning-elastic report {_parent(args.path)}`"
+        )
+    rows = _check_all(args, storage, _scan(storage, entries), args.check)
+    everything, skipped = read_history(storage)
+    events = [e for e in everything if args.run_id in (None, e.run_id)]
+    if args.run_id is not None:
+        runs = sorted(
+            {r.info.run_id for r in rows if r.info.run_id}
+            | {e.run_id for e in everything if e.run_id}
+        )
+        rows = [r for r in rows if r.info.run_id == args.run_id]
+        if not rows and not events:
+            raise CliError(
+                f"no checkpoint or history of run {args.run_id!r} in {args.path} (runs here: "
+                f"{', '.join(runs) or 'none'})",
+                EXIT_BAD_CHECKPOINT,
+            )
+    if not rows and not events:
+        what = "is empty" if not entries else "holds no checkpoints and no history"
+        raise CliError(f"{args.path} {what}: nothing to report", EXIT_BAD_CHECKPOINT)
+    checkpoints = [CheckpointRow(r.info, r.status, r.problem) for r in rows]
+    report = build_report(
+        args.path, checkpoints, events, skipped=skipped, run_id=args.run_id, checked=args.check
+    )
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(render_html(report))
+        except OSError as exc:
+            raise CliError(f"could not write {args.output}: {exc.strerror or exc}") from None
+        report["html"] = args.output
+    if args.json:
+        print(json.dumps(_jsonable(report), indent=1))
+    else:
+        print(render_text(report))
+        if args.output:
+            print(f"wrote {args.output}")
     return EXIT_OK
 
 

@@ -220,6 +220,14 @@ def test_a_symlinked_history_folder_is_not_followed(tmp_path) -> None:
     assert read_history(Storage(str(root))) == ([], 0)
 
 
+def test_a_file_where_the_history_folder_belongs_is_no_history_and_no_crash(tmp_path) -> None:
+    (tmp_path / HISTORY_DIR).write_text("not a folder")
+    h = history(tmp_path)
+    h.record("start", step=0)
+    assert h.progress(1) is False and h.failures == 2
+    assert read_history(Storage(str(tmp_path))) == ([], 0) and h.last_progress() is None
+
+
 def _body(kind: str, *, session: str, version: int = 1) -> dict:
     fields: dict = {} if kind == "progress" else {"step": 1}
     return {
