@@ -13,6 +13,7 @@ import pytest
 from lightning_elastic.core.observe.history import read_history
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.testing.spawn import run_distributed
+from tests.cli.test_cli import run
 from tests.lightning import health_workers
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -108,7 +109,7 @@ def test_auto_cadence_chooses_the_interval_from_measured_saves(tmp_path) -> None
     assert out[0]["metrics"]["lightning_elastic_checkpoint_interval_seconds"] > 0
 
 
-def test_a_resume_records_lost_work_recovery_and_restarts(tmp_path) -> None:
+def test_a_resume_records_lost_work_recovery_and_restarts(tmp_path, capsys) -> None:
     run_distributed(
         health_workers.fit_observed,
         2,
@@ -136,3 +137,15 @@ def test_a_resume_records_lost_work_recovery_and_restarts(tmp_path) -> None:
         assert metrics["lightning_elastic_world_size_changes_total"] == 1.0
         assert metrics["lightning_elastic_lost_work_steps"] == resume["lost_steps"]
         assert metrics["lightning_elastic_recovery_seconds/load"] > 0
+    # the report of this real run: 2 ranks killed at step 13, resumed on 3
+    page = tmp_path / "report.html"
+    code, text, _ = run(capsys, "report", str(tmp_path / "ckpts"), "--output", str(page))
+    assert code == 0, text
+    assert "world size 2 -> 3" in text
+    assert f"lost {resume['lost_steps']} steps" in text and "(unplanned)" in text
+    assert "from step_000000010 (step 10)" in text
+    assert page.read_text().count('src="data:image/png;base64,') >= 1
+    code, data, _ = run(capsys, "report", str(tmp_path / "ckpts"), "--json")
+    report = json.loads(data)
+    assert [s["world_size"] for s in report["world_size"]] == [2, 3]
+    assert report["totals"]["lost_steps"] == resume["lost_steps"]

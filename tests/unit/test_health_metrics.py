@@ -60,3 +60,23 @@ def test_the_endpoint_serves_the_registry_in_prometheus_text_form() -> None:
     assert 'lightning_elastic_saves_total{reason="step"} 1.0' in text
     assert 'lightning_elastic_recovery_seconds{phase="load"} 1.5' in text
     assert "lightning_elastic_world_size 4.0" in again
+
+
+def test_the_docs_and_the_dashboard_name_exactly_the_declared_metrics() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    table = (docs / "monitoring.md").read_text()
+    listed = set(re.findall(r"^\| `(lightning_elastic_\w+)", table, flags=re.M))
+    assert listed == set(METRICS)
+    dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"lightning_elastic_\w+", target["expr"])
+    }
+    assert used <= set(METRICS), used - set(METRICS)
+    assert set(METRICS) - used == set(), "a metric the dashboard does not show"
