@@ -34,13 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-)
 
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
@@ -59,16 +52,9 @@ from lightning_elastic.core.options import (
 )
 from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
-from lightning_elastic.core.policy.triggers import (
-    Agreement,
-    EveryNEpochs,
-    EveryNSteps,
-    SignalFlag,
-)
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
 from lightning_elastic.lightning.fork_safety import warn_forking_workers
-from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
 from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
@@ -76,7 +62,9 @@ from lightning_elastic.lightning.resume import (
     uninstall_dataloader_hook,
     uninstall_resume_hook,
 )
+from lightning_elastic.lightning.schedule import SaveSchedule
 from lightning_elastic.lightning.session import ElasticSession, ResumeCost
+from lightning_elastic.lightning.supported import check_strategy
 
 if TYPE_CHECKING:
     from lightning_elastic.core.save.request import SaveResult
@@ -182,14 +170,18 @@ class DistributedCheckpoint(Checkpoint):
             raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
         self.storage_options = dict(storage_options or {})
         self.run_name = None if run_name is None else check_run_name(run_name)
-        self._step_trigger = (
-            None if every_n_train_steps is None else EveryNSteps(every_n_train_steps)
+        self.signals = check_signals(signals)
+        self._schedule = SaveSchedule(
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=every_n_epochs,
+            cadence=Cadence.of(
+                train_time_interval,
+                mtbf=mtbf,
+                max_overhead=max_overhead,
+                min_interval=min_interval,
+            ),
+            signals=self.signals,
         )
-        self._epoch_trigger = None if every_n_epochs is None else EveryNEpochs(every_n_epochs)
-        self._cadence = Cadence.of(
-            train_time_interval, mtbf=mtbf, max_overhead=max_overhead, min_interval=min_interval
-        )
-        self._interval = self._cadence.interval
         self.metrics_port = check_port(metrics_port)
         self.straggler_factor = check_factor(straggler_factor)
         self.straggler_window = check_count(straggler_window, "straggler_window")
@@ -218,7 +210,6 @@ class DistributedCheckpoint(Checkpoint):
         self.timeout = (
             None if timeout is None else timedelta(seconds=check_seconds(timeout, "timeout"))
         )
-        self.signals = check_signals(signals)
         self.exit_on_signal = check_bool(exit_on_signal, "exit_on_signal")
         self.compression = check_choice(compression, "compression", (None, "zstd"))
         self.trusted = check_bool(trusted, "trusted")
@@ -229,14 +220,7 @@ class DistributedCheckpoint(Checkpoint):
         self.preempted_by: int | None = None
         self._engine: CheckpointEngine | None = None
         self._session: ElasticSession | None = None
-        self._flag: SignalFlag | None = None
-        self._agreement: Agreement | None = None
-        self._last_step = -1
         self._pending: SaveHandle | None = None
-        self._requested = False
-        self._batch_start_step = -1
-        # decided at a step's end, taken at the next quiet point: (reason, signal number or 0)
-        self._deferred: tuple[str, int] | None = None
         self._reason = ""  # of the save in flight
         self._first_step = False
         self._setup_unix = 0.0
@@ -270,12 +254,12 @@ class DistributedCheckpoint(Checkpoint):
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the end of the current optimizer step (any rank may ask);
         it holds the state after that step's validation, like every other checkpoint."""
-        self._requested = True
+        self._schedule.requested = True
 
     # ------------------------------------------------------------------ setup / teardown
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        _check_strategy(trainer)
+        check_strategy(trainer)
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         timeout = one_timeout(
@@ -302,7 +286,7 @@ class DistributedCheckpoint(Checkpoint):
         session.writer = self._engine
         if stage == "fit":
             self._engine.check_writable()  # a bad dirpath fails here, not at the first save
-        self._agreement = Agreement(session.ensure_coordinator())
+        self._schedule.bind(session.ensure_coordinator())
         self._setup_unix = time.time()
         if stage == "fit":
             self._monitor = HealthMonitor(
@@ -326,13 +310,7 @@ class DistributedCheckpoint(Checkpoint):
         warn_forking_workers(  # CPython gh-112275 (Python < 3.11.10): see getting-started.md
             trainer.train_dataloader, async_save=self.async_save, rank=trainer.global_rank
         )
-        if self.signals:
-            self._flag = SignalFlag(self.signals)
-            self._flag.install()  # after Lightning's own handlers: ours decide for all ranks
-        if self._interval is not None:
-            self._interval.start()
-        self._last_step = trainer.global_step  # never re-save the step we resumed at
-        self._deferred = None
+        self._schedule.start(trainer.global_step)
         self._first_step = True
         if self._monitor is not None:
             self._start_monitor(trainer)
@@ -355,12 +333,13 @@ class DistributedCheckpoint(Checkpoint):
             resumed=Resumed.of(self._session.resumed, self._session.resume_cost),
             setup_unix=self._setup_unix,
         )
-        cadence = self._cadence.build_auto(
+        schedule = self._schedule
+        cadence = schedule.cadence.build_auto(
             nodes=self._monitor.nodes, history_mtbf_s=self._monitor.history_mtbf_s
         )
         self._monitor.cadence = cadence
-        if cadence is not None and self._interval is not None:
-            self._interval.seconds = cadence.interval_s
+        if cadence is not None and schedule.interval is not None:
+            schedule.interval.seconds = cadence.interval_s
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
@@ -375,9 +354,9 @@ class DistributedCheckpoint(Checkpoint):
             self._monitor.before_optimizer_step()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._uninstall_signals()
+        self._schedule.stop()
         self._take_deferred(trainer, between_batches=False)  # may exit (a signal)
-        if self.save_on_train_end and trainer.global_step != self._last_step:
+        if self.save_on_train_end and trainer.global_step != self._schedule.last_step:
             checkpoint = self._train_end_checkpoint(trainer)
             self._save(trainer, reason="train_end", blocking=True, checkpoint=checkpoint)
         self._finish_pending(trainer, wait=True)
@@ -387,8 +366,8 @@ class DistributedCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._deferred = None
-        self._uninstall_signals()
+        self._schedule.deferred = None
+        self._schedule.stop()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         uninstall_resume_hook(trainer)
@@ -421,7 +400,7 @@ class DistributedCheckpoint(Checkpoint):
             monitor.batch_start()
             with monitor.saving():
                 self._take_deferred(trainer, between_batches=True)
-        self._batch_start_step = trainer.global_step
+        self._schedule.batch_start_step = trainer.global_step
         if self._session is not None:
             self._session.on_train_batch_start()
 
@@ -435,43 +414,21 @@ class DistributedCheckpoint(Checkpoint):
     ) -> None:
         self._finish_pending(trainer, wait=False)
         step = trainer.global_step
-        if step == self._batch_start_step:
-            # inside a gradient-accumulation window: requests, signals and the clock wait for
-            # its last batch (at most one window). Every rank has the same windows (equal batch
-            # counts), so every rank skips the agreement below together.
+        if self._schedule.in_window(step):
             return
-        due = self._step_trigger is not None and self._step_trigger.due(step)
         busy = self._pending is not None and not self._pending.done()
         monitor = self._monitor
-        if monitor is not None:
-            monitor.step_end(step=step, writing=busy)
-        continuous = self._cadence.continuous
-        # Every rank joins this agreement at every optimizer step, whatever it saw locally (a
-        # signal, a request, rank 0's clock): a collective entered by some ranks only would hang.
-        assert self._agreement is not None
-        decision = self._agreement.decide(
-            interval=self._interval,
-            flag=self._flag,
-            requested=self._requested,
-            time_due=continuous is not None and continuous.due(busy=busy),
-            shared=[] if monitor is None else monitor.shared(step),
-        )
-        self._requested = False
-        if monitor is not None:
-            monitor.after_agreement(step, decision.shared, trainer.loggers)
-            if self._first_step:
-                monitor.first_step(trainer.loggers, step)
-            monitor.step_recorded(step)
-            monitor.step_done()
-        self._first_step = False
-        if decision.signal:
-            self._deferred = (
-                f"signal:{signal_module.Signals(decision.signal).name}",
-                decision.signal,
-            )
-        elif (due or decision.save) and step != self._last_step:
-            reason = "step" if due else ("interval" if decision.time_due else "request")
-            self._deferred = (reason, 0)
+        if monitor is None:
+            self._schedule.decide(step, busy=busy)
+            return
+        monitor.step_end(step=step, writing=busy)
+        decision = self._schedule.decide(step, busy=busy, shared=monitor.shared(step))
+        monitor.after_agreement(step, decision.shared, trainer.loggers)
+        if self._first_step:
+            monitor.first_step(trainer.loggers, step)
+            self._first_step = False
+        monitor.step_recorded(step)
+        monitor.step_done()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A ``monitor`` that the validation just run did not log is a mistake (a misspelled
@@ -487,19 +444,14 @@ class DistributedCheckpoint(Checkpoint):
             )
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # called before the LightningModule's on_train_epoch_end and the epoch-interval
-        # schedulers: the save waits for the next quiet point too
-        epoch = trainer.current_epoch
-        due = self._epoch_trigger is not None and self._epoch_trigger.due(epoch)
-        if due and trainer.global_step != self._last_step and self._deferred is None:
-            self._deferred = ("epoch", 0)
+        self._schedule.epoch_end(trainer.current_epoch, trainer.global_step)
 
     # ------------------------------------------------------------------ saving
 
     def _take_deferred(self, trainer: pl.Trainer, *, between_batches: bool) -> None:
         """Take the save decided at the end of the last optimizer step (every rank reaches
         the same quiet point: the decision was agreed and the loops are in lockstep)."""
-        deferred, self._deferred = self._deferred, None
+        deferred = self._schedule.take()
         if deferred is None:
             return
         reason, signum = deferred
@@ -553,12 +505,8 @@ class DistributedCheckpoint(Checkpoint):
                 self._monitor.skipped()
             return
         self._finish_pending(trainer, wait=True)  # the engine waited for it: report it
-        self._last_step = trainer.global_step
+        self._schedule.saved(trainer.global_step)
         self._reason = reason
-        if self._interval is not None:
-            self._interval.saved()
-        if self._cadence.continuous is not None:
-            self._cadence.continuous.saved()
         self.last_model_path = self._engine.storage.display(handle.name)
         score = metrics.get(self.monitor) if self.monitor else None
         if score is not None and self._better(score):
@@ -593,12 +541,9 @@ class DistributedCheckpoint(Checkpoint):
                 monitor.failed(failure_phase(exc), handle.step, exc)
             raise
         if monitor is not None:
-            taken = (result.manifest.created_unix if result.manifest else time.time()) - (
-                result.total_s
-            )
-            monitor.committed(result, reason=self._reason, taken_unix=taken)
-            if monitor.cadence is not None and self._interval is not None:
-                self._interval.seconds = monitor.cadence.interval_s
+            chosen = monitor.committed(result, reason=self._reason)
+            if chosen is not None and self._schedule.interval is not None:
+                self._schedule.interval.seconds = chosen  # the adaptive cadence's new interval
         seconds = max(result.total_s, 1e-9)
         stats = {
             "checkpoint/blocked_s": result.blocked_s,
@@ -622,10 +567,10 @@ class DistributedCheckpoint(Checkpoint):
             trainer.global_step,
         )
         self._finish_pending(trainer, wait=True)
-        if trainer.global_step != self._last_step:
+        if trainer.global_step != self._schedule.last_step:
             self._save(trainer, reason=f"signal:{name}", blocking=True, checkpoint=checkpoint)
         self.preempted_by = signum
-        self._uninstall_signals()
+        self._schedule.stop()
         trainer.should_stop = True
         if self._monitor is not None:
             self._monitor.train_end(trainer.global_step, reason=f"signal:{name}")
@@ -633,11 +578,6 @@ class DistributedCheckpoint(Checkpoint):
             # tell `lightning-elastic run` this exit is a planned one (nothing outside it)
             record_planned_exit(128 + signum, trainer.global_step)
             raise SystemExit(128 + signum)
-
-    def _uninstall_signals(self) -> None:
-        if self._flag is not None:
-            self._flag.uninstall()
-            self._flag = None
 
     # ------------------------------------------------------------------ state
 
@@ -652,18 +592,3 @@ class DistributedCheckpoint(Checkpoint):
         self.best_model_path = state_dict.get("best_model_path", "")
         self.best_model_score = state_dict.get("best_model_score")
         self.last_model_path = state_dict.get("last_model_path", "")
-
-
-def _check_strategy(trainer: pl.Trainer) -> None:
-    strategy = trainer.strategy
-    supported = (ElasticFSDPStrategy, DDPStrategy, SingleDeviceStrategy)
-    if isinstance(strategy, supported) and not isinstance(strategy, DeepSpeedStrategy):
-        return
-    hint = ""
-    if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
-        hint = " (for FSDP2, strategy='elastic_fsdp' is ModelParallelStrategy with our checkpoints)"
-    raise ConfigError(
-        f"DistributedCheckpoint does not support {strategy.__class__.__name__}: use "
-        "strategy='elastic' (ElasticStrategy: DDP, optionally ZeRO-1), 'elastic_fsdp' "
-        f"(ElasticFSDPStrategy: FSDP2), 'ddp', 'ddp_spawn' or a single device{hint}"
-    )

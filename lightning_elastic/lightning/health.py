@@ -212,8 +212,13 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ saves
 
-    def committed(self, result: SaveResult, *, reason: str, taken_unix: float) -> None:
-        """A save is durable (every rank reports its own)."""
+    def committed(self, result: SaveResult, *, reason: str) -> float | None:
+        """A save is durable (every rank reports its own); returns the adaptive cadence's new
+        interval, if there is one."""
+        manifest = result.manifest  # rank 0's
+        # when the saved step was reached: the commit time (rank 0: the manifest's) less the
+        # save's duration
+        taken_unix = (manifest.created_unix if manifest else time.time()) - result.total_s
         h = self.health
         h.set(f"{_P}save_blocked_seconds", result.blocked_s)
         h.set(f"{_P}save_write_seconds", result.writing_s)
@@ -223,7 +228,6 @@ class HealthMonitor:
         h.inc(f"{_P}saves_total", reason=_reason_label(reason))
         h.set(f"{_P}save_in_flight", 0)
         h.checkpointed(taken_unix, result.step)
-        manifest = result.manifest  # rank 0's
         history = self.history
         if history is not None and manifest is not None:
             fields = {
@@ -244,6 +248,8 @@ class HealthMonitor:
             )
             self._during = []
             self._cadence_chosen(choice, result.step)
+            return choice.interval_s
+        return None
 
     def _cadence_chosen(self, choice: CadenceChoice, step: int) -> None:
         h = self.health
