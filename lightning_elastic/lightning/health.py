@@ -125,6 +125,7 @@ class HealthMonitor:
     # ------------------------------------------------------------------ step timing
 
     def batch_start(self) -> None:
+        """A training batch starts (the step's first micro-batch starts its timing)."""
         now = self.clock()
         if self._enter is None:  # the step's first micro-batch
             self._enter = now
@@ -145,9 +146,11 @@ class HealthMonitor:
                 self._mark += spent  # not part of the forward
 
     def before_backward(self) -> None:
+        """The backward pass starts (the forward pass ends)."""
         self._mark = self.clock()
 
     def before_optimizer_step(self) -> None:
+        """The optimizer step starts (the backward pass, paced by DDP's gradient sync, ends)."""
         if self._mark is not None:
             self._backward_s += self.clock() - self._mark
             self._mark = None
@@ -173,6 +176,7 @@ class HealthMonitor:
     # ------------------------------------------------------------------ stragglers
 
     def window_ends(self, step: int) -> bool:
+        """Whether a straggler window ends at ``step`` (the same answer on every rank)."""
         return self.factor is not None and self.world_size > 1 and step % self.window.steps == 0
 
     def shared(self, step: int) -> list[int]:
@@ -270,12 +274,15 @@ class HealthMonitor:
             )
 
     def in_flight(self) -> None:
+        """A save is being written in the background."""
         self.health.set(f"{_P}save_in_flight", 1)
 
     def skipped(self) -> None:
+        """A due save was skipped (the previous one was still being written)."""
         self.health.inc(f"{_P}saves_skipped_total")
 
     def failed(self, phase: str, step: int, error: BaseException) -> None:
+        """A save failed in ``phase`` (counted; rank 0 records it in the history)."""
         self.health.inc(f"{_P}save_failures_total", phase=phase)
         self.health.set(f"{_P}save_in_flight", 0)
         if self.rank == 0:

@@ -42,6 +42,7 @@ class RankTiming:
 
     @property
     def total_s(self) -> float:
+        """Local and checkpoint seconds together."""
         return self.local_s + self.save_s
 
 
@@ -98,6 +99,7 @@ class Straggler:
     where: str  # "step": the step itself is slow; "save": the time went into checkpoints
 
     def describe(self) -> str:
+        """One line for the log: rank, node, times and where the time went."""
         return (
             f"rank {self.rank} on {self.host} is a straggler: {self.local_s * 1e3:.1f} ms per "
             f"step against the median rank's {self.median_s * 1e3:.1f} ms ({self.factor:.2f}x), "
