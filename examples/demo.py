@@ -11,7 +11,9 @@
 4. inspect the last checkpoint (resolved config, versions, files, the checkpoint it resumed
    from);
 5. continue the same run on 1 process (the world size changed: the state is resharded and the
-   epoch's remaining samples are dealt to the new ranks), then verify every checkpoint.
+   epoch's remaining samples are dealt to the new ranks), then verify every checkpoint;
+6. the run's report (``lightning-elastic report``): checkpoints, world sizes, each resume and
+   the work the crash lost, from the manifests and the run history; an HTML page beside it.
 
 The summary at the end is read from the checkpoints' own manifests (``lightning-elastic ls``
 and ``inspect --json``), not assumed: which steps were committed when the processes died, and
@@ -139,13 +141,19 @@ def main() -> None:
     final = cli_json("ls", str(ckpts))
     second_resume = resumed_from(ckpts, final)
 
+    step("6. the run's report: checkpoints, world sizes, resumes and the work the crash lost")
+    run([*CLI, "report", str(ckpts), "--output", str(run_dir / "report.html")])
+    report = cli_json("report", str(ckpts))
+    lost = report["totals"].get("lost_steps")
+
     print(
         f"\ndemo finished: crashed at {crashed_at} with steps {steps(after_crash, 'valid')}"
         f" committed (incomplete: {steps(after_crash, 'incomplete')});"
         f" resumed from {step_of(first_resume, after_crash, after_resume)} on 2 processes,"
         f" finished at step {valid(after_resume)[-1]['step']};"
         f" resumed from {step_of(second_resume, after_resume, final)} on 1 process,"
-        f" finished at step {valid(final)[-1]['step']}",
+        f" finished at step {valid(final)[-1]['step']};"
+        f" the crash lost {lost} step(s) of work (report: {run_dir / 'report.html'})",
         flush=True,
     )
 

@@ -170,12 +170,12 @@ def test_unsupported_strategy_fails_at_setup(name) -> None:
 
     from lightning.pytorch import strategies
 
-    from lightning_elastic.lightning.callback import _check_strategy
+    from lightning_elastic.lightning.supported import check_strategy
 
     # DeepSpeedStrategy is a DDPStrategy: refused all the same
     trainer = SimpleNamespace(strategy=MagicMock(spec=getattr(strategies, name)))
     with pytest.raises(ConfigError, match=r"'elastic'.*'elastic_fsdp'") as raised:
-        _check_strategy(trainer)  # type: ignore[arg-type]
+        check_strategy(trainer)  # type: ignore[arg-type]
     assert name in str(raised.value)
 
 
