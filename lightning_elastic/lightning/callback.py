@@ -324,7 +324,7 @@ class DistributedCheckpoint(Checkpoint):
             history = RunHistory(
                 engine.storage,
                 run_id=engine.run_id,
-                progress_every_s=HealthMonitor.progress_every_s,
+                progress_every_s=0.0,  # the monitor throttles (see its progress_every_s)
             )
         self._monitor.train_start(
             history,

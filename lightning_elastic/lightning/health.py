@@ -13,13 +13,14 @@ rank 0's cadence counts (the time trigger is rank 0's clock).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,8 +66,11 @@ def node_name() -> str:
 class HealthMonitor:
     """One rank's observations of one ``fit``; see the module docstring."""
 
-    #: seconds between two progress records of rank 0 (the lost-work resolution)
-    progress_every_s = 10.0
+    #: seconds between two progress records of rank 0, the resolution of the lost work a
+    #: resume reports; ``None``: every step on a local or shared file system (a small write in
+    #: the background, skipped while the previous one is still going), every second on an
+    #: object store (~86,000 PUTs a day)
+    progress_every_s: float | None = None
 
     def __init__(
         self,
@@ -98,6 +102,8 @@ class HealthMonitor:
         self._during: list[float] = []
         self._idle: deque[float] = deque(maxlen=200)
         self._writer: ThreadPoolExecutor | None = None
+        self._progress_write: Future[Any] | None = None
+        self._progress_at = -math.inf
         self._catalog: Catalog | None = None
         self._resume_fields: dict[str, Any] | None = None
         self._restarts = (0, 0)
@@ -367,13 +373,16 @@ class HealthMonitor:
         }
         if last is not None:
             step, when, planned = last
-            fields.update(
-                interrupted_step=step,
-                interrupted_time=when,
-                lost_steps=max(0, step - resumed.step),
-                lost_s=max(0.0, when - resumed.taken_unix),
-                planned=planned,
-            )
+            fields["planned"] = planned
+            # a progress record older than the checkpoint (a launch killed within a second of
+            # its start) says nothing about what was lost: unknown, not 0
+            if step >= resumed.step:
+                fields.update(
+                    interrupted_step=step,
+                    interrupted_time=when,
+                    lost_steps=step - resumed.step,
+                    lost_s=max(0.0, when - resumed.taken_unix),
+                )
         started = process_start_unix()
         interrupted = fields["interrupted_time"]
         fields["recovery"] = {
@@ -421,8 +430,19 @@ class HealthMonitor:
 
     def _progress(self, step: int, *, force: bool = False, planned: bool = False) -> None:
         history = self.history
-        if history is not None:
-            self._background(lambda: history.progress(step, force=force, planned=planned))
+        if history is None:
+            return
+        now = time.monotonic()
+        pending = self._progress_write is not None and not self._progress_write.done()
+        every = self.progress_every_s
+        if every is None:
+            every = 0.0 if history.storage.is_local else 1.0
+        if not force and (pending or now - self._progress_at < every):
+            return  # throttled here, and never queued behind a slow write
+        self._progress_at = now
+        self._progress_write = self._background(
+            lambda: history.progress(step, force=True, planned=planned)
+        )
 
     # ------------------------------------------------------------------ output
 
@@ -456,11 +476,11 @@ class HealthMonitor:
         total = sum(info.manifest.total_bytes for info in mine if info.manifest is not None)
         return {"retained_bytes": total, "retained": len(mine)}
 
-    def _background(self, write: Callable[[], Any]) -> None:
+    def _background(self, write: Callable[[], Any]) -> Future[Any]:
         """History writes never wait on storage in the training loop (rank 0 only)."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="lightning-elastic-history")
-        self._writer.submit(write)
+        return self._writer.submit(write)
 
     def close(self) -> None:
         """Finish the history writes (each is bounded by the storage's timeouts) and stop the
