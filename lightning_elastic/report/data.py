@@ -369,6 +369,7 @@ def _totals(
         "resumes": len(resumes),
         "lost_steps": sum(lost_steps) if lost_steps else None,
         "lost_s": sum(lost_s) if lost_s else None,
+        "lost_unknown": sum(1 for r in resumes if r["lost_steps"] is None),
         "save_failures": len(body["save_failures"]),
         "stragglers": len(body["stragglers"]),
         "median_bytes": _median([c["bytes"] for c in committed]),

@@ -85,9 +85,11 @@ def _resumes(report: dict[str, Any]) -> list[str]:
             f"steps / {duration(r['lost_s'])}, recovery {duration(r['recovery_s'])} "
             f"({kind}{note})"
         )
+    unknown = t.get("lost_unknown") or 0
     out.append(
         f"lost work: {show(t['lost_steps'])} steps, {duration(t['lost_s'])} over "
         f"{len(resumes)} interruption(s)"
+        + (f" (unknown for {unknown}: no progress record after its checkpoint)" if unknown else "")
     )
     return out
 

@@ -470,3 +470,26 @@ def test_a_realistic_run_renders_every_panel() -> None:
 if __name__ == "__main__":
     Path(sys.argv[1]).write_bytes(overview_png(realistic_report(), dpi=80) or b"")
     print(render_text(realistic_report()))
+
+
+def test_a_resume_whose_lost_work_is_unknown_is_not_counted_as_nothing_lost(root, capsys) -> None:
+    storage = Storage(str(root))
+    third = RunHistory(storage, run_id=RUN, session="third")
+    third.record(
+        "resume",
+        checkpoint="step_000000030",
+        checkpoint_step=30,
+        interrupted_step=None,
+        interrupted_time=None,
+        lost_steps=None,
+        lost_s=None,
+        planned=False,
+        world_size=1,
+        previous_world_size=1,
+        recovery={},
+    )
+    code, out, _ = run(capsys, "report", str(root))
+    assert code == 0
+    assert "lost work: 5 steps" in out and "(unknown for 1:" in out
+    code, out, _ = run(capsys, "report", str(root), "--json")
+    assert json.loads(out)["totals"]["lost_unknown"] == 1
