@@ -430,9 +430,15 @@ class DistributedCheckpoint(Checkpoint):
         monitor.step_recorded(step)
         monitor.step_done()
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._monitor is not None and trainer.state.fn == "fit":
+            self._monitor.validation_started()
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A ``monitor`` that the validation just run did not log is a mistake (a misspelled
         name): raise, as ``ModelCheckpoint`` does, rather than record nothing forever."""
+        if self._monitor is not None:
+            self._monitor.validation_ended()
         if self.monitor is None or trainer.sanity_checking or trainer.state.fn != "fit":
             return  # validate()/test() on their own may log other metrics than fit does
         if self.monitor not in trainer.callback_metrics:

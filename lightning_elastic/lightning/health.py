@@ -41,7 +41,7 @@ from lightning_elastic.core.policy.cadence import (
     mtbf_from_history,
     slowdown,
 )
-from lightning_elastic.errors import Phase, StragglerWarning
+from lightning_elastic.errors import ConfigError, Phase, StragglerWarning
 
 if TYPE_CHECKING:
     from lightning_elastic.core.load.load import LoadResult
@@ -97,6 +97,8 @@ class HealthMonitor:
         self._save_s = 0.0
         self._mark: float | None = None  # forward start, or backward start
         self._backward_s = 0.0
+        self._validation_s = 0.0
+        self._validation_at: float | None = None
         # whole-step seconds (rank 0, for the cadence): steps a background write overlapped,
         # and recent ones it did not
         self._during: list[float] = []
@@ -114,14 +116,34 @@ class HealthMonitor:
     # ------------------------------------------------------------------ setup
 
     def start(self, coordinator: Coordinator, *, port: int | None, local_rank: int) -> None:
-        """Learn every rank's node (one gather per fit) and serve ``/metrics`` if asked."""
+        """Learn every rank's node and serve ``/metrics`` if asked (one gather per fit: a
+        port that cannot be served fails every rank together, naming the ranks)."""
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
-        self.hosts = coordinator.all_gather(Phase.AGREE, node_name, what="node names")
+
+        def local() -> tuple[str, str | None]:
+            if port is None:
+                return node_name(), None
+            wanted = 0 if port == 0 else port + local_rank
+            try:
+                self.port = self.health.serve(wanted)
+            except ImportError:
+                return node_name(), "prometheus_client is not installed"
+            except OSError as exc:
+                return node_name(), f"cannot serve port {wanted}: {exc}"
+            log.info("rank %d serves metrics on port %d (/metrics)", self.rank, self.port)
+            return node_name(), None
+
+        gathered = coordinator.all_gather(Phase.AGREE, local, what="node names")
+        self.hosts = [host for host, _error in gathered]
+        failed = [f"rank {r}: {error}" for r, (_host, error) in enumerate(gathered) if error]
+        if failed:
+            self.health.close()
+            raise ConfigError(
+                f"metrics_port={port}: " + "; ".join(failed) + " (pip install "
+                "'lightning_elastic[metrics]' for the endpoint; pass another metrics_port, "
+                "0 for any free port, or None for none)"
+            )
         self.health.set(f"{_P}world_size", self.world_size)
-        if port is not None:
-            bound = self.health.serve(0 if port == 0 else port + local_rank)
-            log.info("rank %d serves metrics on port %d (/metrics)", self.rank, bound)
-            self.port = bound
 
     @property
     def nodes(self) -> int:
@@ -136,8 +158,19 @@ class HealthMonitor:
         if self._enter is None:  # the step's first micro-batch
             self._enter = now
             if self._last_end is not None:
-                self._data_s = now - self._last_end
+                self._data_s = max(0.0, now - self._last_end - self._validation_s)
+            self._validation_s = 0.0
         self._mark = now
+
+    def validation_started(self) -> None:
+        """Validation runs between two steps: its time is not the next step's data wait."""
+        self._validation_at = self.clock()
+
+    def validation_ended(self) -> None:
+        """See :meth:`validation_started`."""
+        if self._validation_at is not None:
+            self._validation_s += self.clock() - self._validation_at
+            self._validation_at = None
 
     @contextmanager
     def saving(self) -> Iterator[None]:
@@ -344,7 +377,9 @@ class HealthMonitor:
 
         assert self.history is not None
         try:
-            events, _skipped = read_history(self.history.storage, run_id=self.history.run_id)
+            events, _skipped = read_history(
+                self.history.storage, run_id=self.history.run_id, kinds=("start", "resume")
+            )
         except Exception as exc:  # observability never fails training
             log.warning("could not read the run history: %r", exc)
             return 0, 0

@@ -252,3 +252,25 @@ def test_the_catalog_and_garbage_collection_ignore_the_history(tmp_path) -> None
     assert catalog.scan() == []
     assert collect_garbage(storage, catalog, grace_s=0.0, now=time.time()) == []
     assert len(read_history(storage)[0]) == 2
+
+
+def test_reading_only_some_kinds_never_opens_the_others(tmp_path, monkeypatch) -> None:
+    from lightning_elastic.core.observe import history as module
+
+    history = RunHistory(Storage(str(tmp_path)), run_id="r", session="s")
+    history.record("start", step=0)
+    for step in range(5):
+        history.record("commit", step=step, name=f"step_{step}")
+    history.record("resume", checkpoint="step_3")
+    history.progress(7, force=True)
+    opened: list[str] = []
+    load = module._load
+    monkeypatch.setattr(
+        module, "_load", lambda st, entry: opened.append(entry.name) or load(st, entry)
+    )
+    events, skipped = read_history(Storage(str(tmp_path)), kinds=("start", "resume"))
+    assert [e.kind for e in events] == ["start", "resume"] and skipped == 0
+    assert len(opened) == 2 and not any("commit" in name for name in opened)
+    assert [e.kind for e in read_history(Storage(str(tmp_path)), kinds=("progress",))[0]] == [
+        "progress"
+    ]

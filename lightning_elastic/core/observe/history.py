@@ -37,7 +37,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,10 +239,14 @@ def _short_retry(storage: Storage) -> Storage:
     return short
 
 
-def read_history(storage: Storage, *, run_id: str | None = None) -> tuple[list[Event], int]:
+def read_history(
+    storage: Storage, *, run_id: str | None = None, kinds: Collection[str] | None = None
+) -> tuple[list[Event], int]:
     """All events in ``storage``'s history (progress records included, as
-    ``kind="progress"``), oldest first, optionally only run ``run_id``'s; and how many
-    objects were skipped as unreadable or invalid (links, folders, unknown names, objects over
+    ``kind="progress"``), oldest first, optionally only run ``run_id``'s and only ``kinds``
+    (chosen by object name, so the others are never read: a start-up that needs the resumes
+    of a long run does not fetch its thousands of commit events); and how many objects were
+    skipped as unreadable or invalid (links, folders, unknown names, objects over
     :data:`MAX_OBJECT_BYTES`, bad JSON or fields, a newer version). A failure to list the
     directory raises :class:`~lightning_elastic.errors.StorageError`; a missing directory
     is an empty history."""
@@ -251,8 +255,11 @@ def read_history(storage: Storage, *, run_id: str | None = None) -> tuple[list[E
     for entry in storage.listdir(HISTORY_DIR):
         if _IN_FLIGHT.search(entry.name):
             continue  # another process's write, published under its own name in a moment
-        if not (_EVENT_NAME.match(entry.name) or _PROGRESS_NAME.match(entry.name)):
+        named = _EVENT_NAME.match(entry.name)
+        if not (named or _PROGRESS_NAME.match(entry.name)):
             skipped += 1
+            continue
+        if kinds is not None and (named.group(2) if named else "progress") not in kinds:
             continue
         event = _load(storage, entry)
         if event is None:
