@@ -24,10 +24,11 @@ counters say "between two batches"); see :func:`_between_batches_checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal as signal_module
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,7 @@ from lightning_elastic.core.options import (
 )
 from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
-from lightning_elastic.errors import ConfigError
+from lightning_elastic.errors import CheckpointSaveError, ConfigError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
 from lightning_elastic.lightning.fork_safety import warn_forking_workers
 from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
@@ -503,9 +504,16 @@ class DistributedCheckpoint(Checkpoint):
                 f"and this fit runs no validation (logged: {logged}); log it with "
                 f"self.log({self.monitor!r}, ...) or fix the name"
             )
-        handle = self._session.save(
-            self._engine, reason=reason, blocking=blocking, metrics=metrics, checkpoint=checkpoint
-        )
+        # the previous save's failure surfaces here too (the engine waits for it first)
+        failing = self._pending.step if self._pending is not None else trainer.global_step
+        with self._counting_failures(failing):
+            handle = self._session.save(
+                self._engine,
+                reason=reason,
+                blocking=blocking,
+                metrics=metrics,
+                checkpoint=checkpoint,
+            )
         if handle is None:  # skipped: the previous save is still being written
             if self._monitor is not None:
                 self._monitor.skipped()
@@ -538,14 +546,20 @@ class DistributedCheckpoint(Checkpoint):
         self._pending = None
         self._report(trainer, handle)  # with wait: raises the save's error, on every rank
 
+    @contextlib.contextmanager
+    def _counting_failures(self, step: int) -> Iterator[None]:
+        """Count a save that fails (by phase) before its error goes on."""
+        try:
+            yield
+        except CheckpointSaveError as exc:
+            if self._monitor is not None:
+                self._monitor.failed(failure_phase(exc), step, exc)
+            raise
+
     def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
         monitor = self._monitor
-        try:
+        with self._counting_failures(handle.step):
             result: SaveResult = handle.result()
-        except Exception as exc:
-            if monitor is not None:
-                monitor.failed(failure_phase(exc), handle.step, exc)
-            raise
         if monitor is not None:
             chosen = monitor.committed(result, reason=self._reason)
             if chosen is not None and self._schedule.interval is not None:

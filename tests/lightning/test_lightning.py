@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from lightning_elastic import CorruptCheckpointWarning, DistributedCheckpoint
+from lightning_elastic.core.observe.history import read_history
+from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.testing.spawn import run_distributed
 from tests.lightning import workers
@@ -266,7 +268,14 @@ def test_background_failure_surfaces_on_every_rank_at_the_same_step(tmp_path) ->
     for r in results:
         assert r["error"] is not None and r["error"].failed_ranks == [1]
         assert r["error"].phases == {"write"}
+        assert r["metrics"]["lightning_elastic_save_failures_total/write"] == 1.0
     assert sorted(manifests(tmp_path)) == [2]  # the failed save committed nothing
+    failed = [
+        e.fields
+        for e in read_history(Storage(str(tmp_path / "ckpts")))[0]
+        if e.kind == "save_failed"
+    ]
+    assert [(f["step"], f["phase"]) for f in failed] == [(4, "write")]
 
 
 def test_every_n_epochs(tmp_path) -> None:

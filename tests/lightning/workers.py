@@ -97,8 +97,11 @@ def fit_with_failing_storage(root: str, faults: list) -> dict:
     )
     model = TinyModule()
     trainer = make_trainer(root, max_steps=12, strategy=ElasticStrategy(), callbacks=[checkpoint])
+    error = None
     try:
         trainer.fit(model)
     except CheckpointSaveError as exc:
-        return {"error": exc, "step": trainer.global_step}
-    return {"error": None, "step": trainer.global_step}
+        error = exc
+    assert checkpoint.health is not None
+    metrics = checkpoint.health.health.snapshot()
+    return {"error": error, "step": trainer.global_step, "metrics": metrics}
