@@ -221,3 +221,33 @@ def test_a_dead_peer_fails_its_transfers_by_timeout_and_the_others_still_happen(
     assert "rank 1" in str(err) and "broke earlier" in str(err)
     assert results[2]["error"] is None and on_node(tmp_path, 0, "s/two").read_bytes() == two
     assert results[0]["seconds"] < 20
+
+
+@pytest.mark.timeout(120)
+def test_a_live_but_late_peer_fails_the_waiting_rank_after_the_timeout(tmp_path) -> None:
+    one, two = data(1000, 13), data(1000, 14)
+    files = {0: {"s/two": two}, 1: {"s/one": one}}
+    transfers = [move(1, 0, "s/one", one), move(0, 1, "s/two", two)]
+    results = run(tmp_path, 2, files, transfers, timeout_s=2, stall=(1, 4))
+    early = results[0]
+    assert 1.5 < early["seconds"] < 4
+    assert [f.kind for f in early["error"].failures] == ["communication", "communication"]
+    assert "Timed out" in early["error"].failures[0].reason
+    # the late rank fails too (the waiting rank gave up and left), typed, not hung
+    assert [f.kind for f in results[1]["error"].failures] == ["communication", "communication"]
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_that_cannot_write_takes_the_rest_of_the_file_and_both_sides_fail_it(
+    tmp_path,
+) -> None:
+    blocked, ok = data(5000, 15), data(2500, 16)
+    files = {0: {"s/blocked": blocked, "s/ok": ok}, 1: {"s/blocked/in-the-way": b"x"}}
+    transfers = [move(0, 1, "s/blocked", blocked), move(0, 1, "s/ok", ok)]
+    results = run(tmp_path, 2, files, transfers, chunk_bytes=1000, timeout_s=30)
+    for r in results:
+        assert [(f.transfer.path, f.kind) for f in r["error"].failures] == [("s/blocked", "write")]
+        assert "rank 1:" in str(r["error"]) and "could not be written" in str(r["error"])
+    assert all(r["seconds"] < 10 for r in results), "nobody waited for the 30 s timeout"
+    assert on_node(tmp_path, 1, "s/ok").read_bytes() == ok  # the exchange stayed in step
+    assert on_node(tmp_path, 1, "s/blocked").is_dir()

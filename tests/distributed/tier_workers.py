@@ -30,11 +30,13 @@ def transfer_worker(
     timeout_s: float = 20.0,
     flip_on_rank: int | None = None,
     exit_on_rank: int | None = None,
+    stall: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
     """Write this rank's ``files``, run the transfers on a dedicated gloo group and return
     the stats (or the error), the seconds taken and the messages counted by kind.
     ``flip_on_rank`` damages the payloads that rank receives; ``exit_on_rank`` exits
-    after the group is set up, before any transfer (a dead peer)."""
+    after the group is set up, before any transfer (a dead peer); ``stall=(rank, s)``
+    makes that rank sleep ``s`` seconds first (a live but late peer)."""
     rank = dist.get_rank()
     storage = node_storage(root, rank)
     for path, data in files.get(rank, {}).items():
@@ -42,6 +44,8 @@ def transfer_worker(
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if rank == exit_on_rank:
         os._exit(0)  # a rank that dies after setup: its peers must not hang
+    if stall is not None and rank == stall[0]:
+        time.sleep(stall[1])  # alive but late: its peers give up after ``timeout_s``
     messages = {"send": 0, "recv": 0}
     _count(messages, rank == flip_on_rank)
     start = time.monotonic()
