@@ -3,12 +3,12 @@ directory standing for its node-local storage; gloo on CPU, 2-3 processes."""
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 
 import pytest
 
+from lightning_elastic import Storage
 from lightning_elastic.core.storage.checksum import new_hasher
 from lightning_elastic.core.tiers import (
     Transfer,
@@ -52,8 +52,6 @@ def leftovers(root: Path) -> list[str]:
 
 
 def test_an_invalid_transfer_list_is_refused_before_anything_is_sent(tmp_path) -> None:
-    from lightning_elastic import Storage
-
     storage = Storage(str(tmp_path))
     for bad in (
         Transfer(1, 1, "a/b", 1, "00"),
@@ -69,8 +67,6 @@ def test_an_invalid_transfer_list_is_refused_before_anything_is_sent(tmp_path) -
 
 
 def test_a_rank_named_in_no_transfer_returns_at_once_without_a_group(tmp_path) -> None:
-    from lightning_elastic import Storage
-
     stats = execute_transfers(
         [Transfer(1, 2, "a/b", 1, "00")], rank=0, group=None, storage=Storage(str(tmp_path))
     )
@@ -87,6 +83,7 @@ def test_transfer_errors_pickle_and_an_integrity_one_is_an_integrity_error() -> 
 
 
 # ----------------------------------------------------------------------------- distributed
+
 
 @pytest.mark.timeout(120)
 def test_a_three_rank_cycle_and_a_swap_complete_in_list_order(tmp_path) -> None:
@@ -221,6 +218,7 @@ def test_a_dead_peer_fails_its_transfers_by_timeout_and_the_others_still_happen(
     assert "rank 1" in str(err) and "broke earlier" in str(err)
     assert results[2]["error"] is None and on_node(tmp_path, 0, "s/two").read_bytes() == two
     assert results[0]["seconds"] < 20
+    assert not leftovers(tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -251,3 +249,16 @@ def test_a_receiver_that_cannot_write_takes_the_rest_of_the_file_and_both_sides_
     assert all(r["seconds"] < 10 for r in results), "nobody waited for the 30 s timeout"
     assert on_node(tmp_path, 1, "s/ok").read_bytes() == ok  # the exchange stayed in step
     assert on_node(tmp_path, 1, "s/blocked").is_dir()
+
+
+@pytest.mark.timeout(120)
+def test_transfers_on_a_background_thread_and_dedicated_group_beside_training_collectives(
+    tmp_path,
+) -> None:
+    a, b = data(20_000, 17), data(9000, 18)
+    files = {0: {"s/a": a}, 1: {"s/b": b}}
+    transfers = [move(0, 1, "s/a", a), move(1, 0, "s/b", b)]
+    results = run(tmp_path, 2, files, transfers, chunk_bytes=512, in_thread=True)
+    assert [(r["error"], r["training"]) for r in results] == [(None, 40.0), (None, 40.0)]
+    assert on_node(tmp_path, 1, "s/a").read_bytes() == a
+    assert on_node(tmp_path, 0, "s/b").read_bytes() == b

