@@ -1,0 +1,102 @@
+"""Rank functions for the tier transfer tests (module level, so they pickle). Each rank has
+its own directory ``<root>/node<rank>``, standing for its node-local storage."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_elastic import Storage
+from lightning_elastic.core.tiers import transfer
+from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
+
+
+def node_storage(root: str, rank: int) -> Storage:
+    """The storage standing for ``rank``'s node-local directory."""
+    return Storage(os.path.join(root, f"node{rank}"))
+
+
+def transfer_worker(
+    root: str,
+    files: dict[int, dict[str, bytes]],
+    transfers: list[Transfer],
+    *,
+    chunk_bytes: int = 1024,
+    timeout_s: float = 20.0,
+    flip_on_rank: int | None = None,
+    exit_on_rank: int | None = None,
+    stall: tuple[int, float] | None = None,
+    in_thread: bool = False,
+) -> dict[str, Any]:
+    """Write this rank's ``files``, run the transfers on a dedicated gloo group and return
+    the stats (or the error), the seconds taken and the messages counted by kind.
+    ``flip_on_rank`` damages the payloads that rank receives; ``exit_on_rank`` exits
+    after the group is set up, before any transfer (a dead peer); ``stall=(rank, s)``
+    makes that rank sleep ``s`` seconds first (a live but late peer). ``in_thread`` runs
+    the transfers on a thread while the main thread all-reduces on the default group."""
+    rank = dist.get_rank()
+    storage = node_storage(root, rank)
+    for path, data in files.get(rank, {}).items():
+        storage.write_bytes(path, data)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if rank == exit_on_rank:
+        os._exit(0)  # a rank that dies after setup: its peers must not hang
+    if stall is not None and rank == stall[0]:
+        time.sleep(stall[1])  # alive but late: its peers give up after ``timeout_s``
+    messages = {"send": 0, "recv": 0}
+    _count(messages, rank == flip_on_rank)
+    start = time.monotonic()
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["stats"] = execute_transfers(
+                transfers,
+                rank=rank,
+                group=group,
+                storage=storage,
+                chunk_bytes=chunk_bytes,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            outcome["error"] = None
+        except TransferError as exc:
+            outcome["stats"], outcome["error"] = exc.stats, exc
+
+    if in_thread:  # as a save would run it: beside training's collectives on the default group
+        thread = threading.Thread(target=work)
+        thread.start()
+        total = torch.zeros(1)
+        for _ in range(20):
+            one = torch.ones(1)
+            dist.all_reduce(one)
+            total += one
+        thread.join()
+        outcome["training"] = float(total)
+    else:
+        work()
+    return {**outcome, "seconds": time.monotonic() - start, "messages": messages}
+
+
+def _count(messages: dict[str, int], flip: bool) -> None:
+    """Count this rank's sends and receives; with ``flip``, corrupt the first byte of every
+    received payload of more than 16 bytes (bytes damaged in flight)."""
+    send, recv = transfer._Link.send, transfer._Link.recv
+
+    def counted_send(self: Any, tensor: torch.Tensor) -> None:
+        messages["send"] += 1
+        send(self, tensor)
+
+    def counted_recv(self: Any, tensor: torch.Tensor) -> None:
+        messages["recv"] += 1
+        recv(self, tensor)
+        if flip and tensor.dtype == torch.uint8 and tensor.numel() > 16:
+            tensor[0] ^= 0xFF
+
+    transfer._Link.send = counted_send  # type: ignore[method-assign]
+    transfer._Link.recv = counted_recv  # type: ignore[method-assign]
