@@ -251,3 +251,23 @@ def test_a_branch_is_reused_only_for_the_very_object_walked() -> None:
     assert again.branches["model"] is first.branches["model"]
     assert again.branches["other"] is not first.branches["other"]
     assert again.paths() == [("model", "w"), ("other", "n")]
+
+
+def test_a_walk_is_freed_by_reference_counting_alone() -> None:
+    """No reference cycle keeps a walk's lists alive until the collector runs (a recursive
+    closure did: 60,000 objects scanned at the end of every save of 20,000 tensors)."""
+    import gc
+    import sys
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        walk = walk_state({"model": {"a": {"b": torch.ones(1)}, "l": [torch.ones(1), 2]}})
+        lists = [walk.branches["model"].props, walk.branches["model"].paths]
+        del walk
+        # held by ``lists`` and by the call's argument, nothing else
+        counts = (sys.getrefcount(lists[0]), sys.getrefcount(lists[1]))
+        assert counts == (2, 2)
+    finally:
+        if was:
+            gc.enable()
