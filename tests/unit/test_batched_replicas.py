@@ -127,6 +127,20 @@ def test_one_differing_tensor_in_a_batch_is_found_and_kept_per_rank_alone(index)
     }
 
 
+def test_a_per_rank_entry_no_rank_holds_any_more_is_forgotten_without_a_gather() -> None:
+    ranks = Ranks()
+    states = two_states(10)
+    states[1]["model"]["layer4.weight"] = states[1]["model"]["layer4.weight"] + 1
+    states[0]["cb"], states[1]["cb"] = {"n": 1}, {"n": 2}
+    splits = ranks.split(states)
+    assert set(splits[0].per_rank) == {("model", "layer4.weight"), ("cb", "n")}
+    for state in states:
+        del state["model"]["layer4.weight"]
+    splits = ranks.split(states)
+    assert [s.per_rank for s in splits] == [(("cb", "n"),)] * 2
+    assert ranks.exchange.gathers == 1
+
+
 def test_equal_states_cost_one_all_reduce_and_stay_batched() -> None:
     ranks = Ranks()
     for step in range(3):

@@ -150,7 +150,7 @@ class ReplicationCheck:
         except Exception as exc:  # raised on every rank below
             error, digest = exc, 0
         known = self.per_rank
-        held = [1 if walk is not None and _holds(walk, p) else 0 for p in known]
+        held = _held(walk, known)
         failed, high, low, *present = coord.max_ints(
             [int(error is not None), digest, MASK - digest, *held],
             Phase.SAVE_COMPARE,
@@ -216,12 +216,16 @@ class ReplicationCheck:
                 log.info("the ranks' states differ in order only: compared entry by entry")
 
 
-def _holds(walk: StateWalk, path: Path) -> bool:
-    """Whether the walked state holds an entry at ``path``."""
-    branch = walk.branches.get(path[0])
-    if branch is None:
-        return False
-    return path in branch.paths or any(path == p for p, _, _ in branch.containers)
+def _held(walk: StateWalk | None, paths: Sequence[Path]) -> list[int]:
+    """1 for each of ``paths`` the walked state holds an entry at, else 0."""
+    if walk is None:
+        return [0] * len(paths)
+    present: dict[Any, set[Path]] = {}
+    for key in {p[0] for p in paths}:
+        branch = walk.branches.get(key)
+        if branch is not None:
+            present[key] = {*branch.paths, *(c[0] for c in branch.containers)}
+    return [1 if p in present.get(p[0], ()) else 0 for p in paths]
 
 
 def _entry(path: Path, holders: Mapping[Path, list[Node]]) -> Path:
