@@ -5,7 +5,10 @@ replicated items (each is written by exactly one rank, balancing bytes). Exchang
 two object collectives, 5-20 ms per save on gloo here, although between two saves of a
 training run the plans almost never change. So (every rank, together):
 
-1. each rank builds its local plan and compares it with the one it cached last time;
+1. each rank walks its state (:mod:`~lightning_elastic.core.save.walk`; the replica check's
+   walk of the same save is reused for every top-level value it walked) and reuses its cached
+   local plan when the skeleton and every leaf's plan-relevant properties are the cached ones;
+   otherwise it builds its local plan and compares it with the cached one;
 2. rank 0 picks the directory name and a save id and writes the staging record, so the save
    is attributable before any rank writes a byte;
 3. one all-reduce of four integers carries "did any rank's plan change (or fail)?" together
