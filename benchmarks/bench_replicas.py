@@ -9,7 +9,7 @@ per rank (its generator state differs between ranks).
 Reported (medians over ``--rounds``):
 
 * one process: entries, tensor bytes hashed, and the ms to digest the dict
-  (``state_nodes`` + the whole-state digest), which every rank pays at every save;
+  (the walk + the whole-state digest), which every rank pays at every save;
 * 2 gloo processes: ``ReplicationCheck.split`` at the first save (digests, the all-reduce and
   the all-gather that finds the per-rank entries) and at later saves (digests and one
   all-reduce of a few integers).
@@ -90,14 +90,15 @@ def lightning_checkpoint(layers: int, width: int, rank: int) -> dict[str, Any]:
 
 def one_process(layers: int, width: int, rounds: int) -> dict[str, Any]:
     from lightning_elastic.core.save.replicated import ReplicationCheck, state_nodes
+    from lightning_elastic.core.save.walk import walk_state
 
     checkpoint = lightning_checkpoint(layers, width, 0)
     check = ReplicationCheck()
+    nodes = state_nodes(checkpoint)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        nodes = state_nodes(checkpoint)
-        check._digest(nodes)
+        check.digest(walk_state(checkpoint), frozenset())
         times.append(time.perf_counter() - start)
     tensors = [t for t in _tensors(checkpoint)]
     return {

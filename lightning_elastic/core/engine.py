@@ -299,7 +299,9 @@ class CheckpointEngine:
                 local = {**(local or {}), PER_RANK_VALUES_KEY: split.values}
             if local is not None:
                 state_dict[RANK_LOCAL_KEY] = {str(self.rank): local}
-            planned = plan_save(self._ctx, state_dict, request)
+            planned = plan_save(self._ctx, state_dict, request, split.walk)
+            del split  # its walk dies inside the pause: alive at its end, the collector
+            # scans it (60,000 objects at 20,000 tensors: 7-17 ms of every save)
             is_blocking = (not self.async_save) if blocking is None else blocking
             stage_start = time.monotonic()
             payload = stage_save(self._ctx, planned, copy=not is_blocking)

@@ -38,8 +38,8 @@ def plans(monkeypatch) -> list[PlannedSave]:
     """Every PlannedSave the engine makes, in order."""
     seen: list[PlannedSave] = []
 
-    def spy(ctx, state_dict, request):
-        planned = plan_save(ctx, state_dict, request)
+    def spy(ctx, state_dict, request, walked=None):
+        planned = plan_save(ctx, state_dict, request, walked)
         seen.append(planned)
         return planned
 
@@ -171,14 +171,17 @@ def test_an_optimizer_state_with_int_keys_reuses_the_local_plan(engine, monkeypa
 
 def test_a_subclassed_tensor_never_matches_the_cached_leaves() -> None:
     """A DTensor's plan depends on its placement: a subclass never reuses a plan."""
-    from lightning_elastic.core.save.plan import _leaves
+    from lightning_elastic.core.save.walk import walk_state
 
     class Sharded(torch.Tensor):
         pass
 
-    leaves = _leaves({"a": torch.ones(2).as_subclass(Sharded), "b": torch.ones(2)})
-    assert leaves != _leaves({"a": torch.ones(2).as_subclass(Sharded), "b": torch.ones(2)})
-    assert _leaves({"b": torch.ones(2), "c": 3}) == _leaves({"b": torch.zeros(2), "c": "x"})
+    def props(state: dict) -> list:
+        return walk_state(state).props()
+
+    leaves = props({"a": torch.ones(2).as_subclass(Sharded), "b": torch.ones(2)})
+    assert leaves != props({"a": torch.ones(2).as_subclass(Sharded), "b": torch.ones(2)})
+    assert props({"b": torch.ones(2), "c": 3}) == props({"b": torch.zeros(2), "c": "x"})
 
 
 def assert_same(a, b) -> None:

@@ -159,13 +159,13 @@ def test_the_batched_path_for_small_host_tensors_gives_the_per_tensor_digests() 
         *[torch.randn(FULL_ELEMENTS) for _ in range(20)],  # 5 MiB of float32: two batches
         torch.randn(2, 3),
     ]
-    assert all(digest._plain_small(t) for t in plain)
+    assert all(digest.plain_small(t) for t in plain)
 
     class Sub(torch.Tensor):
         pass
 
     other = [t.t().contiguous().t() if t.dim() == 2 else t.as_subclass(Sub) for t in plain]
-    assert not any(digest._plain_small(t) for t in other)
+    assert not any(digest.plain_small(t) for t in other)
     batched = tensor_digests(plain)
     assert batched == tensor_digests(other)
     assert batched == [tensor_digests([t])[0] for t in plain]

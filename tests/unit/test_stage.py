@@ -244,3 +244,37 @@ def test_a_state_that_no_longer_matches_the_plan_is_refused() -> None:
     stage_payload(items, planner, arena)
     with pytest.raises(ValueError, match=r"x: the state holds torch\.float64"):
         restage(items, planner, {"x": torch.ones(4, dtype=torch.float64)}, arena)
+
+
+def run_state(scale: float) -> dict:
+    """Back-to-back runs (1-D float32 of 64 bytes, 2-D rows of 16 float32), broken by another
+    dtype, a 0-d tensor, an object, padding and a non-contiguous or conjugate source."""
+    g = torch.Generator().manual_seed(5)
+    state: dict = {f"v{i}": torch.randn(16, generator=g) * scale for i in range(6)}
+    state.update({f"m{i}": torch.randn(i + 1, 16, generator=g) * scale for i in range(4)})
+    state["half"] = torch.ones(32, dtype=torch.float16) * scale
+    state["t"] = torch.randn(16, 3, generator=g).t().contiguous().t() * scale  # non-contiguous
+    state["u"] = torch.randn(16, generator=g)
+    state["scalar"] = torch.tensor(scale)
+    state["obj"] = {"k": "v"}
+    state["odd"] = torch.arange(5, dtype=torch.float32) * scale  # 20 bytes: padding follows
+    state["w"] = torch.randn(16, generator=g) * scale
+    state["z"] = torch.randn(4, dtype=torch.complex64, generator=g).conj()
+    return state
+
+
+def test_items_back_to_back_are_copied_in_runs_and_staged_exactly() -> None:
+    arena = HostArena()
+    items, planner = planned(run_state(1.0))
+    payload = stage_payload(items, planner, arena)
+    assert image(payload) == image(direct_payload(items, planner))
+    program = arena.program
+    assert program is not None and program.runs and program.singles
+    covered = sorted(
+        [k for start, stop, _ in program.runs for k in range(start, stop)] + program.singles
+    )
+    assert covered == list(range(len(program.tensors)))  # every tensor exactly once
+    assert max(stop - start for start, stop, _ in program.runs) >= 6
+    payload = restage(items, planner, run_state(-3.0), arena)
+    assert arena.program is program
+    assert image(payload) == image(direct_payload(items, planner))

@@ -41,7 +41,17 @@ import xxhash
 
 from lightning_elastic.core._compat import flatten_dense
 
-__all__ = ["FULL_ELEMENTS", "MASK", "SAMPLES", "encode", "tensor_digests", "value_digest"]
+__all__ = [
+    "BATCH_BYTES",
+    "FULL_ELEMENTS",
+    "MASK",
+    "SAMPLES",
+    "encode",
+    "plain_small",
+    "tensor_digests",
+    "tensor_head",
+    "value_digest",
+]
 
 MASK = (1 << 63) - 1
 FULL_ELEMENTS = 1 << 16  # tensors up to this many elements are hashed whole
@@ -144,7 +154,7 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
 
     Small plain host tensors (the many-tensor case: 20,000 of 4 KB) skip the per-tensor torch
     calls: they are flattened together, per dtype, in batches of at most
-    :data:`_BATCH_BYTES` (one C++ call each) and hashed from slices of that buffer. The
+    :data:`BATCH_BYTES` (one C++ call each) and hashed from slices of that buffer. The
     bytes hashed are the same on either path, so a digest does not depend on which was taken."""
     heads: list[bytes] = []
     pieces: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -153,9 +163,9 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     done: dict[int, int] = {}  # digests of the batched small tensors
     small: dict[torch.dtype, _Batch] = {}
     for i, tensor in enumerate(tensors):
-        head = _head(tensor.dtype, tensor.shape)
+        head = tensor_head(tensor.dtype, tensor.shape)
         heads.append(head)
-        if _plain_small(tensor):
+        if plain_small(tensor):
             batch = small.get(tensor.dtype)
             if batch is None:
                 batch = small[tensor.dtype] = _Batch()
@@ -196,16 +206,18 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     return out
 
 
-_BATCH_BYTES = 4 << 20
+BATCH_BYTES = 4 << 20
 
 
 @functools.lru_cache(maxsize=4096)
-def _head(dtype: torch.dtype, shape: torch.Size) -> bytes:
+def tensor_head(dtype: torch.dtype, shape: torch.Size) -> bytes:
+    """What a tensor's digest says of its dtype and shape."""
     return f"{dtype}|{tuple(shape)}|".encode()
 
 
-def _plain_small(t: torch.Tensor) -> bool:
-    """A plain, dense, contiguous host tensor hashed whole (see :func:`_content`)."""
+def plain_small(t: torch.Tensor) -> bool:
+    """A plain, dense, contiguous host tensor hashed whole (see :func:`_content`): its bytes
+    are the same flattened with others of its dtype."""
     return (
         type(t) is torch.Tensor
         and t.layout is torch.strided
@@ -219,7 +231,7 @@ def _plain_small(t: torch.Tensor) -> bool:
 
 
 class _Batch:
-    """Small host tensors of one dtype, flattened together when they reach _BATCH_BYTES and
+    """Small host tensors of one dtype, flattened together when they reach BATCH_BYTES and
     hashed at once (only the digests outlive the batch: one batch of memory at a time)."""
 
     def __init__(self) -> None:
@@ -229,7 +241,7 @@ class _Batch:
     def add(self, i: int, head: bytes, tensor: torch.Tensor, done: dict[int, int]) -> None:
         self.items.append((i, head, tensor))
         self.size += tensor.numel() * tensor.element_size()
-        if self.size >= _BATCH_BYTES:
+        if self.size >= BATCH_BYTES:
             self.flush(done)
 
     def flush(self, done: dict[int, int]) -> None:

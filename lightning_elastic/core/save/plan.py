@@ -5,7 +5,10 @@ replicated items (each is written by exactly one rank, balancing bytes). Exchang
 two object collectives, 5-20 ms per save on gloo here, although between two saves of a
 training run the plans almost never change. So (every rank, together):
 
-1. each rank builds its local plan and compares it with the one it cached last time;
+1. each rank walks its state (:mod:`~lightning_elastic.core.save.walk`; the replica check's
+   walk of the same save is reused for every top-level value it walked) and reuses its cached
+   local plan when the skeleton and every leaf's plan-relevant properties are the cached ones;
+   otherwise it builds its local plan and compares it with the cached one;
 2. rank 0 picks the directory name and a save id and writes the staging record, so the save
    is attributable before any rank writes a byte;
 3. one all-reduce of four integers carries "did any rank's plan change (or fail)?" together
@@ -23,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -37,8 +39,9 @@ from lightning_elastic.core.format.manifest import (
     STAGING_FILE,
     StagingRecord,
 )
-from lightning_elastic.core.format.skeleton import Skeleton, describe, is_leaf, merge
+from lightning_elastic.core.format.skeleton import Skeleton, merge
 from lightning_elastic.core.save.request import PlannedSave
+from lightning_elastic.core.save.walk import StateWalk, walk_state
 from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError, Phase
 
 __all__ = ["PlanCache", "plan_save"]
@@ -52,8 +55,8 @@ if TYPE_CHECKING:
 class PlanCache:
     """The last successful plan of this rank (and, on rank 0, its DCP metadata and the
     merged skeleton of every rank's state), with what its local plan was made from: DCP's
-    flattening of the state (FQN -> path) and the properties of every leaf the plan
-    depends on."""
+    flattening of the state (FQN -> path of str keys), the FQN of every leaf in the walk's
+    order, and every leaf's plan-relevant properties."""
 
     local: SavePlan
     skeleton: Skeleton
@@ -61,13 +64,20 @@ class PlanCache:
     metadata: Metadata | None
     merged_skeleton: Skeleton
     mappings: dict[str, tuple[Any, ...]] | None = None  # DCP's: FQN -> path of str keys
-    leaves: tuple[Any, ...] | None = None
-    paths: dict[str, tuple[Any, ...]] | None = None  # FQN -> path of the state's own keys
+    leaves: list[Any] | None = None  # leaf_properties of every leaf, in the walk's order
+    fqns: list[str] | None = None  # the FQN of every leaf, in the walk's order
 
 
-def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest) -> PlannedSave:
+def plan_save(
+    ctx: SaveContext,
+    state_dict: dict[str, Any],
+    request: SaveRequest,
+    walked: StateWalk | None = None,
+) -> PlannedSave:
     """Every rank, together: the plan of this save of ``state_dict``, rank 0 having claimed its
-    directory (see the module docstring). A failure on any rank is raised on every rank."""
+    directory (see the module docstring). ``walked``: this save's replica check's walk, whose
+    branches are reused where ``state_dict`` holds the same objects. A failure on any rank is
+    raised on every rank."""
     coord = ctx.coordinator
     planner = DefaultSavePlanner()
     started = time.monotonic()
@@ -77,18 +87,19 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
     local_error: Exception | None = None
     shape: Skeleton = None
     cache = ctx.plan_cache
-    leaves: tuple[Any, ...] | None = None
-    paths: dict[str, tuple[Any, ...]] | None = None
+    leaves: list[Any] | None = None
+    fqns: list[str] | None = None
     try:
-        shape = describe(state_dict)
-        local = _reuse_local_plan(planner, state_dict, shape, cache, coord.is_coordinator)
+        walk = walk_state(state_dict, reuse=walked)
+        shape = walk.skeleton()
+        local = _reuse_local_plan(planner, walk, shape, cache, coord.is_coordinator)
         if local is None:
             planner.set_up_planner(state_dict, None, coord.is_coordinator)
             local = planner.create_local_plan()
-            leaves = _leaves(save_planner_state(planner) or {})
-            paths = _original_paths(state_dict, planner.mappings)
+            leaves = walk.props()
+            fqns = _fqns(walk, save_planner_state(planner))
         elif cache is not None:
-            leaves, paths = cache.leaves, cache.paths
+            leaves, fqns = cache.leaves, cache.fqns
     except Exception as exc:  # re-raised on every rank by the full exchange below
         local_error = exc
     unchanged = (
@@ -142,7 +153,7 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
         metadata, merged = kept.get("metadata"), kept.get("skeleton")
         assert local is not None
         ctx.plan_cache = PlanCache(
-            local, shape, final, metadata, merged, dict(planner.mappings), leaves, paths
+            local, shape, final, metadata, merged, dict(planner.mappings), leaves, fqns
         )
     return PlannedSave(
         request=request,
@@ -158,90 +169,52 @@ def plan_save(ctx: SaveContext, state_dict: dict[str, Any], request: SaveRequest
     )
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _leaves(flat: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What DCP's local plan of the flattened state depends on, leaf by leaf: a plain
-    tensor's shape, dtype, layout, device, ``requires_grad`` and pinning (DCP's
-    ``TensorProperties``); for any other value only that it is not a tensor. A sharded or
-    subclassed tensor is never equal to anything, so its plan is always made anew."""
-    out: list[Any] = []
-    for value in flat.values():
-        if type(value) in _PLAIN:
-            out.append(
-                (
-                    value.shape,
-                    value.dtype,
-                    value.layout,
-                    value.device,
-                    value.requires_grad,
-                    value.is_pinned(),
-                )
-            )
-        elif isinstance(value, torch.Tensor) or hasattr(value, "__get_tensor_shard__"):
-            out.append(object())  # equal to nothing
-        else:
-            out.append(None)
-    return tuple(out)
-
-
 def _reuse_local_plan(
     planner: DefaultSavePlanner,
-    state_dict: dict[str, Any],
+    walk: StateWalk,
     shape: Skeleton,
     cache: PlanCache | None,
     is_coordinator: bool,
 ) -> SavePlan | None:
     """The cached local plan, with ``planner`` set up as ``set_up_planner`` would have, when
-    the state has the cached skeleton (the same paths, hence DCP's same FQNs) and every leaf
-    the same plan-relevant properties: DCP's flattening and planning cost ~40 us a tensor
-    (0.8 s of every save of 20,000 tensors) and give the same plan. ``None``: plan anew."""
+    the state has the cached skeleton (the same paths, hence DCP's same FQNs, in the same
+    order) and every leaf the same plan-relevant properties: DCP's flattening and planning
+    cost ~40 us a tensor (0.8 s of every save of 20,000 tensors) and give the same plan.
+    The leaves come from the walk (in DCP's order), never from looking the cached paths up
+    again: a ``Counter`` or a ``defaultdict`` answers a made-up value for a key it lacks.
+    ``None``: plan anew."""
     if (
         cache is None
         or cache.mappings is None
-        or cache.paths is None
+        or cache.fqns is None
         or cache.leaves is None
         or shape != cache.skeleton
     ):
         return None
-    flat: dict[str, Any] = {}
-    try:  # the state's own keys: DCP's paths hold str(key), which a Counter would answer
-        for fqn, path in cache.paths.items():
-            node: Any = state_dict
-            for key in path:
-                node = node[key]
-            flat[fqn] = node
-    except Exception:  # whatever a custom mapping raises: plan anew
+    leaves = walk.leaves()
+    if len(leaves) != len(cache.fqns) or walk.props() != cache.leaves:
         return None
-    if _leaves(flat) != cache.leaves:
-        return None
+    flat = dict(zip(cache.fqns, leaves, strict=True))
     set_up_save_planner(planner, flat, dict(cache.mappings), is_coordinator, cache.local)
     return cache.local
 
 
-def _original_paths(
-    state_dict: Mapping[str, Any], mappings: Mapping[str, tuple[Any, ...]]
-) -> dict[str, tuple[Any, ...]] | None:
-    """FQN -> the path to the leaf with the state's own keys (DCP's ``mappings`` hold
-    ``str(key)``: looked up in a ``Counter`` or a ``defaultdict`` with int keys, those would
-    answer a made-up value). Walks the state as DCP's flattening does; ``None`` when the
-    FQNs differ from DCP's (never reuse then)."""
-    paths: dict[str, tuple[Any, ...]] = {}
+def _fqns(walk: StateWalk, flat: Mapping[str, Any] | None) -> list[str] | None:
+    """DCP's FQN of every leaf of the walk, in its order, when DCP's flattened state ``flat``
+    holds exactly these leaves under them; ``None`` (never reuse this plan) otherwise, e.g.
+    when two paths give one FQN or DCP replaced a leaf (a ShardedTensor)."""
+    if flat is None:
+        return None
+    fqns = [".".join(map(str, path)) for path in walk.paths()]
+    leaves = walk.leaves()
+    if len(flat) != len(fqns) or any(
+        flat.get(fqn, _MISSING) is not leaf for fqn, leaf in zip(fqns, leaves, strict=True)
+    ):
+        return None
+    return fqns
 
-    def walk(value: Any, path: tuple[Any, ...]) -> None:
-        if isinstance(value, Mapping):
-            for key, child in value.items():
-                walk(child, (*path, key))
-        elif is_leaf(value):
-            paths[".".join(map(str, path))] = path
-        elif isinstance(value, (list, tuple)):
-            for index, child in enumerate(value):
-                walk(child, (*path, index))
 
-    for key, value in state_dict.items():
-        walk(value, (key,))
-    return paths if paths.keys() == mappings.keys() else None
+_MISSING = object()
 
 
 def _same(a: SavePlan, b: SavePlan) -> bool:

@@ -11,13 +11,17 @@ Which rank calls what: :meth:`ReplicationCheck.split` is called by every rank of
 checkpoint group together, from the training thread, at the start of every save (before the
 plan phase):
 
-1. each rank digests every entry of its state (:mod:`~lightning_elastic.core.save.digest`):
-   containers by their kind, leaves by value;
+1. each rank walks its state once (:mod:`~lightning_elastic.core.save.walk`, the walk the
+   plan phase reuses) and digests it (:mod:`~lightning_elastic.core.save.digest`):
+   containers by their kind, leaves by value, small host tensors a batch at a time (one
+   digest per batch of up to 4 MB of one dtype, in the walk's order) until the ranks are
+   seen to hold their entries in different orders, then entry by entry;
 2. one all-reduce of a few integers: a failure flag, the largest and the smallest digest of
    the whole state (all-reduced as the max of ``d`` and of ``MASK - d``), and which rank
    still holds each entry already known to be per rank. Entries known to be per rank and
    entries that only this rank holds are left out of the digest. Equal everywhere: done.
-3. only when the digests differ: one ``all_gather`` of every rank's per-entry digests. An
+3. only when the digests differ: one ``all_gather`` of every rank's per-entry digests
+   (computed only now, whatever batch disagreed: the verdict is per entry as before). An
    entry that two or more ranks hold with different digests becomes per rank, and stays so
    for the engine's life (a steady run pays step 2 only); an entry only one rank holds is
    not a conflict (every rank loads the union, which ZeRO-1's sharded optimizer state uses)
@@ -37,17 +41,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import struct
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xxhash
 from torch.distributed.tensor import DTensor
 
-from lightning_elastic.core.format.skeleton import is_leaf
-from lightning_elastic.core.save.digest import MASK, encode, tensor_digests, value_digest
+from lightning_elastic.core.save.digest import MASK, tensor_digests, value_digest
+from lightning_elastic.core.save.statedigest import StateDigest, container_digest
+from lightning_elastic.core.save.walk import StateWalk, walk_state
 from lightning_elastic.errors import (
     CheckpointSaveError,
     ConfigError,
@@ -79,7 +82,6 @@ FORMAT_VERSION = 1
 
 Path = tuple[Any, ...]
 Node = tuple[int, bool]  # (digest, the entry is an item of a mapping)
-_MAPPING = value_digest("<mapping>")
 
 
 def state_nodes(state: Mapping[str, Any]) -> dict[Path, Node]:
@@ -87,52 +89,52 @@ def state_nodes(state: Mapping[str, Any]) -> dict[Path, Node]:
     hold tensors or containers): containers with a digest of their kind (and a list's
     length), leaves with a digest of their value. DTensors are left out: they are sharded,
     and DCP never deduplicates them."""
-    nodes: dict[Path, Node] = {}
+    return {p: (d, m) for p, d, m in _entries(walk_state(state))}
+
+
+def _entries(walk: StateWalk) -> list[tuple[Path, int, bool]]:
+    """:func:`state_nodes` of a walked state, as ``(path, digest, in_mapping)``."""
+    out: list[tuple[Path, int, bool]] = []
     tensors: list[tuple[Path, torch.Tensor, bool]] = []
-
-    def visit(value: Any, path: Path, in_mapping: bool) -> None:
-        if isinstance(value, DTensor):
-            return
-        if isinstance(value, Mapping):
-            if path:
-                nodes[path] = (_MAPPING, in_mapping)
-            for key, child in value.items():
-                visit(child, (*path, key), True)
-        elif isinstance(value, list) and not is_leaf(value):
-            nodes[path] = (value_digest(f"<list of {len(value)}>"), in_mapping)
-            for index, child in enumerate(value):
-                visit(child, (*path, index), False)
-        elif isinstance(value, torch.Tensor):
-            tensors.append((path, value, in_mapping))
-        else:
-            nodes[path] = (value_digest(value), in_mapping)
-
-    visit(state, (), True)
+    for branch in walk.branches.values():
+        for path, length, in_mapping in branch.containers:
+            out.append((path, container_digest(length), in_mapping))
+        for path, leaf, in_mapping in zip(
+            branch.paths, branch.leaves, branch.in_mapping, strict=True
+        ):
+            if isinstance(leaf, DTensor):
+                continue
+            if isinstance(leaf, torch.Tensor):
+                tensors.append((path, leaf, in_mapping))
+            else:
+                out.append((path, value_digest(leaf), in_mapping))
     digests = tensor_digests([t for _, t, _ in tensors])
-    for (path, _, in_mapping), digest in zip(tensors, digests, strict=True):
-        nodes[path] = (digest, in_mapping)
-    return nodes
+    out.extend((p, d, m) for (p, _, m), d in zip(tensors, digests, strict=True))
+    return out
 
 
 @dataclass(frozen=True)
 class Split:
     """What one rank saves: ``state`` as replicated, and its own values of the per-rank
     entries (``values``, by index into ``per_rank``; empty on rank 0, whose values stay in
-    ``state``)."""
+    ``state``). ``walk`` is the replica check's walk of the state it was given, for the plan
+    phase to reuse (:mod:`~lightning_elastic.core.save.walk`)."""
 
     state: dict[str, Any]
     per_rank: tuple[Path, ...]
     values: dict[str, Any]
+    walk: StateWalk | None = None
 
 
 class ReplicationCheck:
     """One engine's check of its saves (see the module docstring); it remembers which
-    entries are per rank and which ones only this rank holds."""
+    entries are per rank, which ones only this rank holds, and whether the ranks' states
+    come in one order (then small tensors are compared a batch at a time: :attr:`digest`)."""
 
     def __init__(self) -> None:
         self.per_rank: tuple[Path, ...] = ()
+        self.digest = StateDigest()
         self._own: set[Path] = set()
-        self._path_bytes: dict[Path, bytes] = {}
 
     def split(self, coord: Coordinator, state: dict[str, Any]) -> Split:
         """Every rank, together: ``state`` split into what is saved as replicated and this
@@ -140,55 +142,41 @@ class ReplicationCheck:
         raised on every rank as :class:`~lightning_elastic.errors.CheckpointSaveError`."""
         if not coord.distributed:
             return Split(state, (), {})
-        nodes: dict[Path, Node] | None = None
+        walk: StateWalk | None = None
         error: Exception | None = None
         try:
-            nodes = state_nodes(state)
-            digest = self._digest(nodes)
+            walk = walk_state(state)
+            digest = self.digest(walk, frozenset(self.per_rank) | self._own)
         except Exception as exc:  # raised on every rank below
             error, digest = exc, 0
         known = self.per_rank
-        held = [1 if nodes is not None and p in nodes else 0 for p in known]
+        held = _held(walk, known)
         failed, high, low, *present = coord.max_ints(
             [int(error is not None), digest, MASK - digest, *held],
             Phase.SAVE_COMPARE,
             error=CheckpointSaveError,
         )
         if failed or high != MASK - low:
-            self._compare_all(coord, nodes, error)
+            self._compare_all(coord, walk, error)
         else:
             self.per_rank = tuple(p for p, h in zip(known, present, strict=True) if h)
         if coord.rank == 0 or not self.per_rank:
-            return Split(state, self.per_rank, {})
+            return Split(state, self.per_rank, {}, walk)
         values: dict[str, Any] = {}
         for index, path in enumerate(self.per_rank):
             found, value, state = _without(state, path)
             if found:
                 values[str(index)] = value
-        return Split(state, self.per_rank, values)
-
-    def _digest(self, nodes: Mapping[Path, Node]) -> int:
-        """The digest of every entry not known to be per rank nor held by this rank alone
-        (order-independent: a sum of per-entry hashes)."""
-        skip = set(self.per_rank) | self._own
-        total = 0
-        for path, (digest, _) in nodes.items():
-            if skip and _under(path, skip):
-                continue
-            key = self._path_bytes.get(path)
-            if key is None:
-                key = self._path_bytes[path] = encode(path)
-            total += xxhash.xxh3_64_intdigest(key + struct.pack("<Q", digest))
-        return total & MASK
+        return Split(state, self.per_rank, values, walk)
 
     def _compare_all(
-        self, coord: Coordinator, nodes: dict[Path, Node] | None, error: Exception | None
+        self, coord: Coordinator, walk: StateWalk | None, error: Exception | None
     ) -> None:
         def local() -> list[tuple[Path, int, bool]]:
             if error is not None:
                 raise error
-            assert nodes is not None
-            return [(p, d, m) for p, (d, m) in nodes.items()]
+            assert walk is not None
+            return _entries(walk)
 
         gathered = coord.all_gather(
             Phase.SAVE_COMPARE, local, what="checkpoint (replica check)", error=CheckpointSaveError
@@ -198,6 +186,8 @@ class ReplicationCheck:
             for path, digest, in_mapping in rank_nodes:
                 holders.setdefault(path, []).append((digest, in_mapping))
         differing = [p for p, hs in holders.items() if len(hs) > 1 and len({d for d, _ in hs}) > 1]
+        if self.digest.batched and not differing:
+            self._unbatch_if_unordered(coord, holders)
         found = [_entry(p, holders) for p in differing]
         per_rank = _outermost([*self.per_rank, *found])
         new = [p for p in per_rank if p not in self.per_rank]
@@ -214,6 +204,28 @@ class ReplicationCheck:
             for p, _, _ in mine
             if len(holders[p]) == 1 and (len(p) == 1 or len(holders.get(p[:-1], ())) > 1)
         }
+
+    def _unbatch_if_unordered(self, coord: Coordinator, holders: dict[Path, list[Node]]) -> None:
+        """Every rank holds every entry with equal values, yet the digests differed: the ranks
+        hold their entries in different orders (or in different layouts), which batches see
+        and per-entry sums do not. Count per entry from now on, or every save would pay the
+        gather. Decided from the gathered entries alone, so every rank decides alike."""
+        if all(len(hs) == coord.world_size for hs in holders.values()):
+            self.digest.unbatch()
+            if coord.rank == 0:
+                log.info("the ranks' states differ in order only: compared entry by entry")
+
+
+def _held(walk: StateWalk | None, paths: Sequence[Path]) -> list[int]:
+    """1 for each of ``paths`` the walked state holds an entry at, else 0."""
+    if walk is None:
+        return [0] * len(paths)
+    present: dict[Any, set[Path]] = {}
+    for key in {p[0] for p in paths}:
+        branch = walk.branches.get(key)
+        if branch is not None:
+            present[key] = {*branch.paths, *(c[0] for c in branch.containers)}
+    return [1 if p in present.get(p[0], ()) else 0 for p in paths]
 
 
 def _entry(path: Path, holders: Mapping[Path, list[Node]]) -> Path:

@@ -166,30 +166,58 @@ def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
 def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostArena) -> Payload:
     """Copy this rank's items into ``arena``; the result no longer aliases live tensors.
 
-    The layout (offsets, padding, destination views, payload items) is kept on the arena as a
-    :class:`_Program` and reused while the plan's item list, every item's length and the
-    buffer stay the same - a reused plan (``core/save/plan.py``) keeps its item list - so a
-    steady save copies with one ``_foreach_copy_`` instead of slicing and viewing the arena
-    per item (0.1 s of every save of 20,000 tensors)."""
-    objects = {i: _object_bytes(planner, it) for i, it in enumerate(items) if _is_object(it)}
-    lengths = [objects[i].nbytes if i in objects else _nbytes(it) for i, it in enumerate(items)]
-    offsets, size = _layout(lengths)
-    image = arena.reserve(size)
+    The layout (offsets, padding, destination views, payload items, each tensor item's FQN)
+    is kept on the arena as a :class:`_Program` and reused while the plan's item list, the
+    lengths of its serialized objects and the buffer stay the same - a reused plan
+    (``core/save/plan.py``) keeps its item list - so a steady save looks its sources up and
+    copies them with one ``_foreach_copy_``, with no per-item layout work (0.1 s of every
+    save of 20,000 tensors when it was redone per save)."""
     program = arena.program
-    if program is None or not program.fits(items, lengths, image):
+    if program is not None and program.items is items:
+        objects = {i: _object_bytes(planner, items[i]) for i in program.objects}
+        if all(data.nbytes == program.lengths[i] for i, data in objects.items()):
+            image = arena.reserve(program.size)
+            if not program.fits(items, program.lengths, image):
+                program = None
+        else:
+            program = None
+    else:
+        program = None
+        objects = {i: _object_bytes(planner, it) for i, it in enumerate(items) if _is_object(it)}
+    if program is None:
+        lengths = [objects[i].nbytes if i in objects else _nbytes(it) for i, it in enumerate(items)]
+        offsets, size = _layout(lengths)
+        image = arena.reserve(size)
         program = arena.program = _Program.build(items, lengths, offsets, size, image)
     for i, data in objects.items():
         program.slots[i].copy_(torch.frombuffer(data, dtype=torch.uint8))
-    host_targets, host_sources = [], []
-    needs_sync = False
-    with torch.no_grad():
-        for i, target in zip(program.tensors, program.targets, strict=True):
-            source = _resolve_tensor(planner, items[i])
+    _copy_tensors(program, items, planner)
+    return Payload(program.placed, program.size, program.image)
+
+
+def _copy_tensors(program: _Program, items: Sequence[WriteItem], planner: SavePlanner) -> None:
+    """Copy every tensor item's source into its destination view: host sources in one
+    ``_foreach_copy_``. A source whose dtype or shape is not the plan's is refused."""
+    sources = _sources(program, items, planner)
+    if [s.dtype for s in sources] != program.dtypes or [s.shape for s in sources] != [
+        t.shape for t in program.targets
+    ]:
+        for i, source, target in zip(program.tensors, sources, program.targets, strict=True):
             if source.dtype != target.dtype or source.shape != target.shape:
                 raise ValueError(
-                    f"{items[i].index.fqn}: the state holds {source.dtype} {tuple(source.shape)}, "
-                    f"the plan {target.dtype} {tuple(target.shape)}"
+                    f"{items[i].index.fqn}: the state holds {source.dtype} "
+                    f"{tuple(source.shape)}, the plan {target.dtype} {tuple(target.shape)}"
                 )
+    with torch.no_grad():
+        if all(s.is_cpu for s in sources):
+            for start, stop, out in program.runs:
+                torch.cat(sources[start:stop], out=out)
+            if program.singles:
+                foreach_copy(program.single_targets, [sources[k] for k in program.singles])
+            return
+        host_targets, host_sources = [], []
+        needs_sync = False
+        for source, target in zip(sources, program.targets, strict=True):
             if source.device.type == "cpu":
                 host_targets.append(target)
                 host_sources.append(source)
@@ -200,7 +228,29 @@ def stage_payload(items: Sequence[WriteItem], planner: SavePlanner, arena: HostA
             foreach_copy(host_targets, host_sources)
     if needs_sync:
         torch.cuda.synchronize()
-    return Payload(program.placed, size, program.image)
+
+
+def _sources(
+    program: _Program, items: Sequence[WriteItem], planner: SavePlanner
+) -> list[torch.Tensor]:
+    """The tensor of every tensor item of ``program``. For DCP's own planner and a plain
+    tensor written whole, straight from its flattened state: DCP's lookup probes every tensor
+    for DTensor and ShardedTensor shards (28 us a tensor, 0.3 s of a save of 20,000 small
+    tensors)."""
+    flat = save_planner_state(planner) if type(planner) is DefaultSavePlanner else None
+    if flat is None:
+        return [_resolved(planner, items[i]) for i in program.tensors]
+    sources = [flat.get(fqn) for fqn in program.fqns]
+    for k, source in enumerate(sources):
+        if type(source) not in _PLAIN or not program.whole[k]:
+            sources[k] = _resolved(planner, items[program.tensors[k]])
+    return sources  # type: ignore[return-value]
+
+
+def _resolved(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    source = planner.resolve_data(item)
+    assert isinstance(source, torch.Tensor)
+    return source
 
 
 @dataclass
@@ -213,8 +263,15 @@ class _Program:
     buffer_ptr: int
     size: int
     slots: list[torch.Tensor]  # uint8 view of each item's bytes
+    objects: list[int]  # indices of the serialized-object items
     tensors: list[int]  # indices of the tensor items with bytes
     targets: list[torch.Tensor]  # their destination views (dtype and shape of the item)
+    dtypes: list[torch.dtype]  # their dtypes
+    fqns: list[str]  # their FQNs
+    whole: list[bool]  # whether each is written whole (no offset: a plain tensor's item)
+    runs: list[tuple[int, int, torch.Tensor]]  # tensors[start:stop] concatenated into out
+    singles: list[int]  # the other tensors (positions in ``tensors``), and their targets
+    single_targets: list[torch.Tensor]
     placed: tuple[PayloadItem, ...]
     image: memoryview
 
@@ -237,8 +294,8 @@ class _Program:
     ) -> _Program:
         """Lay the items out in ``image``; zero every byte between them once (a reused arena
         holds older bytes, and nothing but the items' copies writes it while this holds)."""
-        whole = _arena_view(image)
-        slots, tensors, targets, placed = [], [], [], []
+        whole_image = _arena_view(image)
+        slots, objects, tensors, targets, placed = [], [], [], [], []
         end = 0
         for i, item in enumerate(items):
             offset, length = offsets[i], lengths[i]
@@ -247,17 +304,89 @@ class _Program:
             end = offset + length
             slot = image[offset:end]
             slots.append(slot)
-            if not _is_object(item) and length:
+            if _is_object(item):
+                objects.append(i)
+            elif length:
                 assert item.tensor_data is not None
                 dtype = item.tensor_data.properties.dtype
                 tensors.append(i)
                 targets.append(slot.view(dtype).view(item.tensor_data.chunk.sizes))
-            placed.append(PayloadItem(item, offset, length, whole[offset:end]))
+            placed.append(PayloadItem(item, offset, length, whole_image[offset:end]))
         if size > end:
             image[end:size].zero_()
+        runs, singles = _runs(items, tensors, offsets, lengths, image)
         return cls(
-            items, lengths, image.data_ptr(), size, slots, tensors, targets, tuple(placed), whole
+            items=items,
+            lengths=lengths,
+            buffer_ptr=image.data_ptr(),
+            size=size,
+            slots=slots,
+            objects=objects,
+            tensors=tensors,
+            targets=targets,
+            dtypes=[t.dtype for t in targets],
+            fqns=[items[i].index.fqn for i in tensors],
+            whole=[not any(items[i].index.offset or ()) for i in tensors],
+            runs=runs,
+            singles=singles,
+            single_targets=[targets[k] for k in singles],
+            placed=tuple(placed),
+            image=whole_image,
         )
+
+
+def _runs(
+    items: Sequence[WriteItem],
+    tensors: list[int],
+    offsets: list[int],
+    lengths: list[int],
+    image: torch.Tensor,
+) -> tuple[list[tuple[int, int, torch.Tensor]], list[int]]:
+    """Runs of tensor items that lie back to back in the image with one dtype and the same
+    sizes past the first dimension: each is copied by one ``torch.cat`` into the run's
+    bytes, which costs per tensor a quarter of what ``_foreach_copy_`` does on the host
+    (10,000 tensors of 4 KB: 4.5 ms against 10 ms, measured alone). Returns the runs, as
+    positions in ``tensors``, and the positions of the tensors in no run."""
+    runs: list[tuple[int, int, torch.Tensor]] = []
+    singles: list[int] = []
+    start = 0
+    for k in range(1, len(tensors) + 1):
+        if k < len(tensors) and _continues(items, tensors, offsets, lengths, k):
+            continue
+        if k - start > 1:
+            first, last = tensors[start], tensors[k - 1]
+            data = items[first].tensor_data
+            assert data is not None
+            sizes = data.chunk.sizes
+            rows = sum(_chunk(items[i]).sizes[0] for i in tensors[start:k])
+            out = image[offsets[first] : offsets[last] + lengths[last]]
+            runs.append((start, k, out.view(data.properties.dtype).view(rows, *sizes[1:])))
+        else:
+            singles.append(start)
+        start = k
+    return runs, singles
+
+
+def _continues(
+    items: Sequence[WriteItem], tensors: list[int], offsets: list[int], lengths: list[int], k: int
+) -> bool:
+    """Whether tensor item ``tensors[k]`` can join the run of the one before it."""
+    i, j = tensors[k - 1], tensors[k]
+    a, b = items[i].tensor_data, items[j].tensor_data
+    assert a is not None and b is not None
+    return (
+        j == i + 1
+        and offsets[j] == offsets[i] + lengths[i]
+        and a.properties.dtype == b.properties.dtype
+        and len(a.chunk.sizes) > 0
+        and len(a.chunk.sizes) == len(b.chunk.sizes)
+        and a.chunk.sizes[1:] == b.chunk.sizes[1:]
+    )
+
+
+def _chunk(item: WriteItem) -> Any:
+    assert item.tensor_data is not None
+    return item.tensor_data.chunk
 
 
 def direct_payload(items: Sequence[WriteItem], planner: SavePlanner) -> Payload:
@@ -280,18 +409,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
-    """The tensor of ``item``. For DCP's own planner and a plain tensor, straight from its
-    flattened state: DCP's lookup probes every tensor for DTensor and ShardedTensor shards
-    (28 us a tensor, 0.3 s of a save of 20,000 small tensors)."""
+    """The tensor of ``item`` (as :func:`_sources` finds it, for one item)."""
     flat = save_planner_state(planner) if type(planner) is DefaultSavePlanner else None
     if flat is not None:
         source = flat.get(item.index.fqn)
-        offset = item.index.offset
-        if type(source) in _PLAIN and (offset is None or not any(offset)):
+        if type(source) in _PLAIN and not any(item.index.offset or ()):
             return source  # type: ignore[return-value]
-    source = planner.resolve_data(item)
-    assert isinstance(source, torch.Tensor)
-    return source
+    return _resolved(planner, item)
 
 
 def _arena_view(t: torch.Tensor) -> memoryview:
