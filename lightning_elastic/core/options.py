@@ -10,6 +10,7 @@ is an error, not "every 2 steps" or "every 5"; ``shard_optimizer_state="yes"`` i
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import signal as signal_module
@@ -58,6 +59,11 @@ def check_port(value: Any, name: str = "metrics_port") -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ConfigError(f"{name} must be None or a port in 0..65535, got {_given(value)}")
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(
+            f"{name}={value} serves metrics with prometheus_client, which is not installed: "
+            "pip install 'lightning_elastic[metrics]' (or leave metrics_port=None)"
+        )
     return int(value)
 
 

@@ -119,8 +119,10 @@ class DistributedCheckpoint(Checkpoint):
             (``"4h"``, ``"90m"``, seconds or a ``timedelta``); the job's is this over the number
             of nodes. Default: measured from the run's restart history in ``dirpath`` (until a
             first failure, saves are only bounded by ``max_overhead``).
-        max_overhead: with ``"auto"``: the largest fraction of training time saves may cost.
-        min_interval: with ``"continuous"``: the least time between two saves (default 60 s).
+        max_overhead: with ``"auto"``: the largest fraction of training time saves may cost
+            (default 0.01).
+        min_interval: with ``"continuous"``: the least time between two saves, and from the
+            start to the first (default 60 s; seconds, a ``timedelta`` or ``"5m"``).
         metrics_port: serve this rank's health metrics for Prometheus on
             ``metrics_port + local rank`` (``0``: any free port; needs ``prometheus_client``,
             the ``metrics`` extra). Default: not served (the loggers still get them).
@@ -157,8 +159,8 @@ class DistributedCheckpoint(Checkpoint):
         trusted: bool = False,
         run_name: str | None = None,
         mtbf: timedelta | float | str | None = None,
-        max_overhead: float = 0.01,
-        min_interval: timedelta | float | None = None,
+        max_overhead: float | None = None,
+        min_interval: timedelta | float | str | None = None,
         metrics_port: int | None = None,
         straggler_factor: float | None = 1.5,
         straggler_window: int = 50,

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _P = "lightning_elastic_"
 NODE_ENV = "LIGHTNING_ELASTIC_NODE"
+_MAX_HOSTS = 64  # node names kept in a start event (with their count)
 
 
 def node_name() -> str:
@@ -124,6 +125,8 @@ class HealthMonitor:
             if port is None:
                 return node_name(), None
             wanted = 0 if port == 0 else port + local_rank
+            if wanted > 65535:
+                return node_name(), f"port {port} + local rank {local_rank} is over 65535"
             try:
                 self.port = self.health.serve(wanted)
             except ImportError:
@@ -339,9 +342,11 @@ class HealthMonitor:
         setup_unix: float,
     ) -> None:
         """Training starts (after any resume; every rank calls it: one broadcast). Rank 0
-        opens the run's history and reads what the previous launch left there (its last
-        progress, earlier restarts); every rank gets those facts, and a resume's cost is
-        recorded at the first step, when the recovery is complete."""
+        opens the run's history and reads what the previous launches left there (the last
+        progress record, earlier restarts); every rank gets those facts. Rank 0 records this
+        launch's start and first progress before the first step, synchronously (a launch killed
+        in its first step still counts); a resume's cost is recorded at the first step, when
+        the recovery is complete."""
         self.history = history if self.rank == 0 else None
         self._setup_unix, self._loaded_unix = setup_unix, time.time()
 
@@ -353,26 +358,37 @@ class HealthMonitor:
             if previous is not None:
                 planned = bool(previous.fields.get("planned", False))
                 last = (int(previous.fields.get("step", 0)), previous.time, planned)
-            return last, self._count_restarts(), self.history_mtbf_s
+            unplanned_now = resumed is not None and last is not None and not last[2]
+            return last, self._count_restarts(unplanned_now), self.history_mtbf_s
 
         last, self._restarts, self.history_mtbf_s = coordinator.broadcast(
             Phase.AGREE, facts, what="run history"
         )
         if resumed is not None:
             self._resume_fields = self._resume_record(resumed, last)
-        self._record(
-            "start",
-            step=step,
-            world_size=self.world_size,
-            hosts=self.hosts,
-            resumed_from=None if resumed is None else resumed.name,
-            resumed_step=None if resumed is None else resumed.step,
-        )
-        self._progress(step, force=True)
+            self.health.checkpointed(resumed.taken_unix, resumed.step)  # the work at risk
+        else:
+            self.health.at_risk_since(time.time(), step)
+        if self.history is not None:
+            nodes = sorted(set(self.hosts))
+            self.history.record(
+                "start",
+                step=step,
+                world_size=self.world_size,
+                nodes=len(nodes),
+                # the node names, capped: a start event stays small at any scale
+                hosts=nodes[:_MAX_HOSTS],
+                resumed_from=None if resumed is None else resumed.name,
+                resumed_step=None if resumed is None else resumed.step,
+            )
+            self._progress_at = time.monotonic()
+            self.history.progress(step, force=True)
 
-    def _count_restarts(self) -> tuple[int, int]:
-        """Resumes of this run before this one, and those at another world size; also the
-        run's MTBF from its history (observed time over unplanned interruptions)."""
+    def _count_restarts(self, unplanned_now: bool) -> tuple[int, int]:
+        """Launches of this run that resumed before this one (from their start events, so one
+        killed in its first step counts), and resumes at another world size; also the run's
+        MTBF from its history: the time since its first start over its unplanned
+        interruptions, this launch's included when the previous one did not end by itself."""
         from lightning_elastic.core.observe.history import read_history
 
         assert self.history is not None
@@ -383,14 +399,16 @@ class HealthMonitor:
         except Exception as exc:  # observability never fails training
             log.warning("could not read the run history: %r", exc)
             return 0, 0
+        starts = [e for e in events if e.kind == "start"]
         resumes = [e for e in events if e.kind == "resume"]
         changes = sum(
             1 for e in resumes if e.fields.get("world_size") != e.fields.get("previous_world_size")
         )
-        failures = sum(1 for e in resumes if e.fields.get("planned") is False)
-        if events:
-            self.history_mtbf_s = mtbf_from_history(failures, time.time() - events[0].time)
-        return len(resumes), changes
+        failures = sum(1 for e in resumes if e.fields.get("planned") is False) + unplanned_now
+        if starts:
+            self.history_mtbf_s = mtbf_from_history(failures, time.time() - starts[0].time)
+        restarted = sum(1 for e in starts if e.fields.get("resumed_from") is not None)
+        return restarted, changes
 
     def _resume_record(
         self, resumed: Resumed, last: tuple[int, float, bool] | None
@@ -442,7 +460,7 @@ class HealthMonitor:
         h.inc(f"{_P}restarts_total", before + 1)
         changed = fields["world_size"] != fields["previous_world_size"]
         h.inc(f"{_P}world_size_changes_total", changes + int(changed))
-        if fields["lost_steps"] is not None:
+        if fields["lost_steps"] is not None and fields["planned"] is False:
             h.set(f"{_P}lost_work_steps", fields["lost_steps"])
             h.set(f"{_P}lost_work_seconds", fields["lost_s"])
         for phase, seconds in fields["recovery"].items():
@@ -454,7 +472,7 @@ class HealthMonitor:
         self.log_to(loggers, step)
 
     def step_recorded(self, step: int) -> None:
-        """Rank 0: the run's progress (throttled by the history: one small write per ~10 s)."""
+        """Rank 0: the run's progress (see :attr:`progress_every_s`)."""
         self._progress(step)
 
     def train_end(self, step: int, *, reason: str) -> None:

@@ -66,6 +66,8 @@ class SaveSchedule:
             self.flag.install()  # after Lightning's own handlers: ours decide for all ranks
         if self.interval is not None:
             self.interval.start()
+        if self.cadence.continuous is not None:
+            self.cadence.continuous.start()
         self.last_step = step  # never re-save the step we resumed at
         self.deferred = None
 

@@ -355,8 +355,11 @@ def _totals(
 ) -> dict[str, Any]:
     ckpts, resumes = body["checkpoints"], body["resumes"]
     times = [e.time for e in events] + [c["time"] for c in ckpts if c["time"]]
-    lost_steps = [r["lost_steps"] for r in resumes if r["lost_steps"] is not None]
-    lost_s = [r["lost_s"] for r in resumes if r["lost_s"] is not None]
+    # lost work is what failures cost: a planned resume (a resize, a deliberate rollback, a
+    # refit after a finished run) is listed with its steps but not summed
+    unplanned = [r for r in resumes if r["planned"] is not True]
+    lost_steps = [r["lost_steps"] for r in unplanned if r["lost_steps"] is not None]
+    lost_s = [r["lost_s"] for r in unplanned if r["lost_s"] is not None]
     counts: dict[str, int] = {}
     for c in ckpts:
         counts[c["status"]] = counts.get(c["status"], 0) + 1
@@ -369,7 +372,8 @@ def _totals(
         "resumes": len(resumes),
         "lost_steps": sum(lost_steps) if lost_steps else None,
         "lost_s": sum(lost_s) if lost_s else None,
-        "lost_unknown": sum(1 for r in resumes if r["lost_steps"] is None),
+        "lost_unknown": sum(1 for r in unplanned if r["lost_steps"] is None),
+        "interruptions": len(unplanned),
         "save_failures": len(body["save_failures"]),
         "stragglers": len(body["stragglers"]),
         "median_bytes": _median([c["bytes"] for c in committed]),
@@ -432,14 +436,20 @@ def _safe(fn: Any) -> Any:
         return None
 
 
+_MAX_COUNT = 2**53  # steps, bytes, ranks: beyond this a value is not one a run produced
+_MAX_SECONDS = 1e12
+
+
 def _int(value: Any) -> int | None:
-    return value if type(value) is int else None
+    """A count (steps, bytes, ranks): an int in ``[0, 2**53]``, else unknown (a hand-edited
+    history's ``world_size=10**30`` or ``lost_steps=-5`` must not reach sums and plots)."""
+    return value if type(value) is int and 0 <= value <= _MAX_COUNT else None
 
 
 def _num(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    return float(value) if math.isfinite(value) and abs(value) <= _MAX_SECONDS else None
 
 
 def _str(value: Any) -> str | None:

@@ -60,7 +60,13 @@ def render_html(report: dict[str, Any]) -> str:
 
 
 def _figure(report: dict[str, Any]) -> str:
-    png = overview_png(report)
+    try:
+        png = overview_png(report)
+    except Exception as exc:  # values no run produces (a hand-edited history): tables only
+        return (
+            "<p class=note>The figure could not be drawn from this data "
+            f"({html.escape(repr(exc))}); the tables below hold the same data.</p>"
+        )
     if png is None:
         return (
             "<p class=note>Figures need matplotlib, which is not installed here: "

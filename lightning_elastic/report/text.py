@@ -88,7 +88,7 @@ def _resumes(report: dict[str, Any]) -> list[str]:
     unknown = t.get("lost_unknown") or 0
     out.append(
         f"lost work: {show(t['lost_steps'])} steps, {duration(t['lost_s'])} over "
-        f"{len(resumes)} interruption(s)"
+        f"{t.get('interruptions', len(resumes))} unplanned interruption(s)"
         + (f" (unknown for {unknown}: no progress record after its checkpoint)" if unknown else "")
     )
     return out
@@ -142,7 +142,10 @@ def _storage(report: dict[str, Any]) -> list[str]:
         latest[p["run_id"]] = p["bytes"] or 0
         peak = max(peak, sum(latest.values()))
     source = "commit records" if points[0]["source"] == "history" else "manifests present"
-    return [f"storage: {size(sum(latest.values()))} retained now, peak {size(peak)} ({source})"]
+    # now: what the valid checkpoints present hold (a prune or a deletion by hand since the
+    # last commit record is not in the history)
+    now = report["totals"]["valid_bytes"]
+    return [f"storage: {size(now)} retained now, peak {size(max(peak, now))} ({source})"]
 
 
 def _history(report: dict[str, Any]) -> list[str]:

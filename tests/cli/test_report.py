@@ -115,10 +115,10 @@ def test_the_summary_names_the_resume_its_lost_work_the_world_change_and_the_bad
         r"from step_000000030 \(step 30\), world size 2 -> 1: lost 5 steps / 3.00 s", out
     )
     assert "recovery 5.60 s (unplanned)" in out
-    assert "lost work: 5 steps, 3.00 s over 1 interruption(s)" in out
+    assert "lost work: 5 steps, 3.00 s over 1 unplanned interruption(s)" in out
     assert "step_000000020: corrupt: quarantined: x-rank00000.distcp: checksum mismatch" in out
     assert "save failures: 1 (last at step 38, phase write" in out
-    assert "storage: 18.0 KiB retained now, peak 18.0 KiB (commit records)" in out
+    assert "storage: 12.0 KiB retained now, peak 18.0 KiB (commit records)" in out
     assert "history: 10 events, 0 unreadable object(s) skipped" in out
 
 
@@ -493,3 +493,55 @@ def test_a_resume_whose_lost_work_is_unknown_is_not_counted_as_nothing_lost(root
     assert "lost work: 5 steps" in out and "(unknown for 1:" in out
     code, out, _ = run(capsys, "report", str(root), "--json")
     assert json.loads(out)["totals"]["lost_unknown"] == 1
+
+
+def test_hand_edited_values_no_run_produces_never_reach_the_sums_or_break_the_page(
+    root, tmp_path, capsys
+) -> None:
+    hostile = RunHistory(Storage(str(root)), run_id=RUN, session="evil")
+    hostile.record("start", step=0, world_size=10**30, hosts=["x"], resumed_from=None)
+    hostile.record(
+        "resume",
+        checkpoint="step_000000010",
+        checkpoint_step=10,
+        lost_steps=-500,
+        lost_s=-1e300,
+        planned=False,
+        world_size=1,
+        previous_world_size=1,
+        recovery={},
+    )
+    page = tmp_path / "page.html"
+    code, out, _ = run(capsys, "report", str(root), "--output", str(page), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["totals"]["lost_steps"] == 5  # the -500 is unknown, not subtracted
+    assert page.exists()
+
+
+def test_a_planned_rollback_is_listed_but_not_summed_as_lost(root, capsys) -> None:
+    later = RunHistory(Storage(str(root)), run_id=RUN, session="later")
+    later.record(
+        "resume",
+        checkpoint="step_000000010",
+        checkpoint_step=10,
+        interrupted_step=40,
+        lost_steps=30,
+        lost_s=20.0,
+        planned=True,
+        world_size=1,
+        previous_world_size=1,
+        recovery={},
+    )
+    code, out, _ = run(capsys, "report", str(root))
+    assert code == 0 and "lost 30 steps" in out and "(planned)" in out
+    assert "lost work: 5 steps, 3.00 s over 1 unplanned interruption(s)" in out
+
+
+def test_retained_now_is_what_the_valid_checkpoints_present_hold(root, capsys) -> None:
+    import shutil
+
+    shutil.rmtree(root / "step_000000030")  # deleted by hand after the last commit record
+    code, out, _ = run(capsys, "report", str(root))
+    assert code == 0
+    assert "storage: 6.0 KiB retained now, peak 18.0 KiB (commit records)" in out

@@ -115,7 +115,10 @@ def test_the_slowdown_counts_only_the_extra_time_of_overlapped_steps() -> None:
 def test_continuous_waits_for_the_commit_and_the_minimum_interval() -> None:
     clock = FakeClock()
     continuous = Continuous(10.0, clock=clock)
-    assert continuous.due(busy=False)  # the first save: nothing to wait for
+    continuous.start()
+    assert not continuous.due(busy=False)  # the first save: min_interval after the start
+    clock.now += 10
+    assert continuous.due(busy=False)
     continuous.saved()
     clock.now += 30
     assert not continuous.due(busy=True)  # still writing
@@ -136,6 +139,9 @@ def test_train_time_interval_options_are_checked_together() -> None:
     assert Cadence.of("continuous", min_interval=5).continuous is not None
     with pytest.raises(ConfigError, match="mtbf is used only"):
         Cadence.of(60, mtbf="4h")
+    assert Cadence.of("continuous", min_interval="5m").continuous.min_interval_s == 300.0
+    with pytest.raises(ConfigError, match="max_overhead is used only"):
+        Cadence.of(60, max_overhead=0.01)  # also the default value: it means nothing here
     with pytest.raises(ConfigError, match="min_interval is used only"):
         Cadence.of("auto", min_interval=5)
     with pytest.raises(ConfigError, match="max_overhead must be a fraction"):

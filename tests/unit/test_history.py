@@ -109,7 +109,7 @@ def test_progress_writes_first_then_at_most_every_period_and_overwrites(tmp_path
     clock.now += 10.0
     assert h.progress(4) is True
     files = sorted(p.name for p in (tmp_path / HISTORY_DIR).iterdir())
-    assert files == ["progress-s1.json"]
+    assert files == ["progress-s1-000003.json"]  # each replaced the one before
     last = h.last_progress()
     assert last is not None and last.kind == "progress"
     assert last.fields == {"step": 4} and last.time == clock.now
@@ -274,3 +274,20 @@ def test_reading_only_some_kinds_never_opens_the_others(tmp_path, monkeypatch) -
     assert [e.kind for e in read_history(Storage(str(tmp_path)), kinds=("progress",))[0]] == [
         "progress"
     ]
+
+
+def test_a_process_killed_between_writing_and_deleting_leaves_a_readable_record(
+    tmp_path, monkeypatch
+) -> None:
+    clock = FakeClock()
+    h = history(tmp_path, clock=clock, session="s1")
+    h.progress(5, force=True)
+    clock.now += 1
+    # the new record is written, the old one's delete never happens (the process died)
+    monkeypatch.setattr(h.storage, "delete", lambda rel: (_ for _ in ()).throw(SystemExit))
+    with pytest.raises(SystemExit):
+        h.progress(6, force=True)
+    fresh = history(tmp_path, clock=clock, session="s2")
+    last = fresh.last_progress()
+    assert last is not None and last.fields["step"] == 6
+    assert read_history(Storage(str(tmp_path)))[1] == 0  # both records are valid objects

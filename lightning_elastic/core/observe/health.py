@@ -113,7 +113,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     f"{_P}checkpoint_interval_seconds": (
         "gauge",
-        "The interval between saves chosen by the adaptive cadence.",
+        "The interval between saves chosen by the adaptive cadence from this rank's own "
+        "measurements (rank 0's is the one in force).",
         (),
     ),
     f"{_P}checkpoint_cost_seconds": (
@@ -164,6 +165,12 @@ class Health:
         """A checkpoint taken at ``unix`` of ``step`` is durable now."""
         self._last_checkpoint = (unix, step)
         self.set(f"{_P}last_checkpoint_timestamp_seconds", unix)
+
+    def at_risk_since(self, unix: float, step: int) -> None:
+        """Nothing is checkpointed yet: the work at risk counts from ``unix`` (the start) and
+        ``step`` (no timestamp gauge: there is no checkpoint)."""
+        if self._last_checkpoint is None:
+            self._last_checkpoint = (unix, step)
 
     def at_step(self, step: int) -> None:
         """Bring the work-at-risk gauges up to date (cheap: call it every step)."""

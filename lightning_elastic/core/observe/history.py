@@ -72,7 +72,7 @@ _MAX_RUN_ID = 256
 _KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _SESSION = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _EVENT_NAME = re.compile(r"^\d{20}-([A-Za-z0-9_]{1,64})-\d{6,}-([a-z][a-z0-9_]{0,31})\.json$")
-_PROGRESS_NAME = re.compile(r"^progress-([A-Za-z0-9_]{1,64})\.json$")
+_PROGRESS_NAME = re.compile(r"^progress-([A-Za-z0-9_]{1,64})(?:-\d{6,})?\.json$")
 _IN_FLIGHT = re.compile(r"\.json\.tmp-[0-9a-f]+$")  # an exclusive write on a local disk
 
 
@@ -139,6 +139,8 @@ class RunHistory:
         self._warned: set[str] = set()
         self._seq = 0
         self._last_progress: float | None = None
+        self._progress_seq = 0
+        self._progress_rel: str | None = None
         self._lock = threading.Lock()  # the training thread and the writer thread record
 
     def record(self, kind: str, **fields: Any) -> None:
@@ -166,9 +168,13 @@ class RunHistory:
             self._failed(str(kind), exc)
 
     def progress(self, step: int, *, force: bool = False, **fields: Any) -> bool:
-        """Overwrite this session's single progress object (``_history/progress-<session>.json``)
+        """Replace this session's progress record (``_history/progress-<session>-<seq>.json``)
         with ``{step, time, **fields}`` when at least ``progress_every_s`` passed since the last
-        write (or ``force``, or on the first call). Returns whether it wrote. Never raises."""
+        write (or ``force``, or on the first call). Returns whether it wrote. Never raises.
+
+        The new record is created exclusively (atomically) under the next sequence number and
+        only then is the previous one deleted: a process killed at any moment leaves a readable
+        record (rewriting one object in place, half of 20 kills during the write left none)."""
         try:
             if type(step) is not int:
                 raise TypeError(f"step must be an int, got {step!r}")
@@ -180,8 +186,14 @@ class RunHistory:
             # set before writing: a failing storage is tried once per period, not every step
             self._last_progress = now
             body = _encode("progress", now, self.run_id, self.session, {"step": step, **fields})
-            rel = f"{HISTORY_DIR}/progress-{self.session}.json"
-            self.storage.write_bytes(rel, body, durable=False)
+            with self._lock:
+                self._progress_seq += 1
+                seq = self._progress_seq
+            rel = f"{HISTORY_DIR}/progress-{self.session}-{seq:06d}.json"
+            self.storage.write_bytes(rel, body, exclusive=True, durable=False)
+            previous, self._progress_rel = self._progress_rel, rel
+            if previous is not None:
+                self.storage.delete(previous)
             return True
         except Exception as exc:
             self._failed("progress", exc)

@@ -172,6 +172,10 @@ class Continuous:
     def __post_init__(self) -> None:
         self.min_interval_s = check_seconds(self.min_interval_s, "min_interval")
 
+    def start(self) -> None:
+        """Training starts: the first save is due ``min_interval_s`` from now."""
+        self.last = self.clock()
+
     def due(self, *, busy: bool) -> bool:
         """Whether to save now (``busy``: a save is still being written)."""
         if busy:
@@ -202,14 +206,17 @@ class Cadence:
         value: object,
         *,
         mtbf: object = None,
-        max_overhead: float = 0.01,
+        max_overhead: float | None = None,
         min_interval: object = None,
     ) -> Cadence:
-        """Check ``train_time_interval`` and its companion options (each only with its mode)."""
+        """Check ``train_time_interval`` and its companion options (each only with its mode;
+        ``max_overhead`` defaults to 0.01)."""
         if value != "auto" and mtbf is not None:
             raise ConfigError('mtbf is used only with train_time_interval="auto"')
-        if value != "auto" and max_overhead != 0.01:
+        if value != "auto" and max_overhead is not None:
             raise ConfigError('max_overhead is used only with train_time_interval="auto"')
+        if max_overhead is None:
+            max_overhead = 0.01
         if value != "continuous" and min_interval is not None:
             raise ConfigError('min_interval is used only with train_time_interval="continuous"')
         if value is None:
@@ -229,7 +236,7 @@ class Cadence:
                 auto={"mtbf_s": mtbf_s, "max_overhead": float(max_overhead)},
             )
         if value == "continuous":
-            seconds = 60.0 if min_interval is None else check_seconds(min_interval, "min_interval")
+            seconds = 60.0 if min_interval is None else parse_duration(min_interval, "min_interval")
             return cls(continuous=Continuous(seconds))
         if isinstance(value, str):
             raise ConfigError(
