@@ -314,6 +314,7 @@ class DistributedCheckpoint(Checkpoint):
             trainer.train_dataloader, async_save=self.async_save, rank=trainer.global_rank
         )
         self._schedule.start(trainer.global_step)
+        self.preempted_by = None
         self._first_step = True
         if self._monitor is not None:
             self._start_monitor(trainer)
@@ -371,6 +372,12 @@ class DistributedCheckpoint(Checkpoint):
     ) -> None:
         self._schedule.deferred = None
         self._schedule.stop()
+        # our own checkpoint-and-exit on a signal, or Ctrl-C, is a planned end (recorded as one)
+        planned = self.preempted_by is not None or isinstance(exception, KeyboardInterrupt)
+        if self._monitor is not None and isinstance(exception, KeyboardInterrupt):
+            self._monitor.train_end(trainer.global_step, reason="keyboard_interrupt")
+        elif self._monitor is not None and not planned:
+            self._monitor.crashed(trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         uninstall_resume_hook(trainer)

@@ -481,6 +481,12 @@ class HealthMonitor:
         self._progress(step, force=True, planned=True)
         self._record("end", step=step, reason=reason)
 
+    def crashed(self, step: int) -> None:
+        """Training is ending with an exception: record how far it got, now (rank 0; the
+        process may not live to run the background writer)."""
+        if self.history is not None:
+            self.history.progress(step, force=True, planned=False)
+
     def _progress(self, step: int, *, force: bool = False, planned: bool = False) -> None:
         history = self.history
         if history is None:

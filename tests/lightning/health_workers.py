@@ -20,11 +20,15 @@ class SlowRank(TinyModule):
     """Sleeps on one rank after the step's loss all-reduce: a slow forward, as a throttled
     device or a slow data node would give."""
 
-    def __init__(self, *, slow_rank: int = -1, slow_s: float = 0.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *, slow_rank: int = -1, slow_s: float = 0.0, raise_at: int = -1, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.slow_rank, self.slow_s = slow_rank, slow_s
+        self.slow_rank, self.slow_s, self.raise_at = slow_rank, slow_s, raise_at
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == self.raise_at:
+            raise RuntimeError(f"simulated out-of-memory at step {self.global_step}")
         loss = super().training_step(batch, batch_idx)
         if self.global_rank == self.slow_rank:
             time.sleep(self.slow_s)
@@ -58,13 +62,21 @@ def fit_observed(
     scrape: bool = False,
     auto_initial_s: float | None = None,
     devices: int | None = None,
+    raise_at: int = -1,
+    progress_every_s: float | None = 0.0,
     **cb: Any,
 ) -> dict[str, Any]:
-    health_module.HealthMonitor.progress_every_s = 0.0  # a progress record every step
+    health_module.HealthMonitor.progress_every_s = progress_every_s
     if auto_initial_s is not None:
         Cadence.AUTO_INITIAL_S = auto_initial_s
     pl.seed_everything(7, verbose=False)
-    model = SlowRank(slow_rank=slow_rank, slow_s=slow_s, kill_at=kill_at, step_sleep=step_sleep)
+    model = SlowRank(
+        slow_rank=slow_rank,
+        slow_s=slow_s,
+        raise_at=raise_at,
+        kill_at=kill_at,
+        step_sleep=step_sleep,
+    )
     checkpoint = DistributedCheckpoint(f"{root}/ckpts", **cb)
     scraper = Scrape(checkpoint)
     logger: Any = False
@@ -86,7 +98,11 @@ def fit_observed(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(model)
+    try:
+        trainer.fit(model)
+    except RuntimeError as exc:
+        if "simulated out-of-memory" not in str(exc):
+            raise
     monitor = checkpoint.health
     assert monitor is not None
     return {

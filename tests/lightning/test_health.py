@@ -149,3 +149,22 @@ def test_a_resume_records_lost_work_recovery_and_restarts(tmp_path, capsys) -> N
     report = json.loads(data)
     assert [s["world_size"] for s in report["world_size"]] == [2, 3]
     assert report["totals"]["lost_steps"] == resume["lost_steps"]
+
+
+def test_a_crash_by_exception_records_exactly_how_far_training_got(tmp_path) -> None:
+    # a second's throttle, as on an object store: only the crash's own record is exact
+    run_distributed(
+        health_workers.fit_observed,
+        2,
+        str(tmp_path),
+        20,
+        raise_at=13,
+        every_n_train_steps=5,
+        progress_every_s=3600.0,
+    )
+    out = run_distributed(health_workers.fit_observed, 2, str(tmp_path), 20, every_n_train_steps=5)
+    events, _ = read_history(Storage(str(tmp_path / "ckpts")))
+    (resume,) = [e.fields for e in events if e.kind == "resume"]
+    assert (resume["checkpoint_step"], resume["interrupted_step"]) == (10, 13)
+    assert resume["lost_steps"] == 3 and resume["planned"] is False
+    assert out[0]["metrics"]["lightning_elastic_lost_work_steps"] == 3.0
