@@ -481,6 +481,11 @@ class HealthMonitor:
         self._progress(step, force=True, planned=True)
         self._record("end", step=step, reason=reason)
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the history writes queued so far (rank 0; a no-op elsewhere)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result(timeout)
+
     def crashed(self, step: int) -> None:
         """Training is ending with an exception: record how far it got, now (rank 0; the
         process may not live to run the background writer)."""

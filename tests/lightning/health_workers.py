@@ -27,6 +27,11 @@ class SlowRank(TinyModule):
         self.slow_rank, self.slow_s, self.raise_at = slow_rank, slow_s, raise_at
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == self.hparams.kill_at:
+            # the progress records of the steps before are written (in the background) before
+            # the kill, as they would be on a machine that is not loaded by a whole test suite
+            checkpoint = next(c for c in self.trainer.callbacks if hasattr(c, "health"))
+            checkpoint.health.flush(timeout=60)
         if self.global_step == self.raise_at:
             raise RuntimeError(f"simulated out-of-memory at step {self.global_step}")
         loss = super().training_step(batch, batch_idx)
