@@ -11,6 +11,7 @@ On-disk layout of one checkpoint directory (names are the constants below)::
         manifest.json                   written last, exclusively: its presence commits
         _quarantine.json                present when a verification found the checkpoint corrupt
     <root>/.leases/<run_id>/gen-<n>.json  one per job of a run (see core/dist/lease.py)
+    <root>/_history/...                 the run history (see core/observe/history.py)
 
 Every file a save writes carries its save id or sits in the directory it claimed, so two
 writers never write the same file. A directory without a complete manifest that passes strict
