@@ -168,3 +168,29 @@ def test_a_crash_by_exception_records_exactly_how_far_training_got(tmp_path) -> 
     assert (resume["checkpoint_step"], resume["interrupted_step"]) == (10, 13)
     assert resume["lost_steps"] == 3 and resume["planned"] is False
     assert out[0]["metrics"]["lightning_elastic_lost_work_steps"] == 3.0
+
+
+def test_skipped_saves_and_the_save_in_flight_are_counted(tmp_path) -> None:
+    import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
+    from lightning_elastic import DistributedCheckpoint
+    from lightning_elastic.testing.faults import Fault
+    from tests.lightning.models import TinyModule, make_trainer
+
+    # every shard write stalls 0.5 s: saves due at every step find the last one in flight
+    faults = [Fault("open", "*.distcp", "stall", seconds=0.5)]
+    checkpoint = DistributedCheckpoint(
+        f"faulty://{tmp_path}/ckpts",
+        storage_options={"faults": faults},
+        every_n_train_steps=1,
+        when_busy="skip",
+    )
+    trainer = make_trainer(
+        str(tmp_path), max_steps=6, strategy="auto", devices=1, callbacks=[checkpoint]
+    )
+    trainer.fit(TinyModule())
+    assert checkpoint.health is not None
+    metrics = checkpoint.health.health.snapshot()
+    assert metrics["lightning_elastic_saves_skipped_total"] >= 1
+    assert metrics["lightning_elastic_save_in_flight"] == 0.0  # all written by the end
+    committed = sum(v for k, v in metrics.items() if k.startswith("lightning_elastic_saves_total"))
+    assert committed + metrics["lightning_elastic_saves_skipped_total"] >= 6
