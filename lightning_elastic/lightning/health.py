@@ -353,13 +353,7 @@ class HealthMonitor:
         def facts() -> tuple[Any, tuple[int, int], float | None]:
             if self.history is None:
                 return None, (0, 0), None
-            previous = self.history.last_progress()  # before this session writes its own
-            last = None
-            if previous is not None:
-                planned = bool(previous.fields.get("planned", False))
-                last = (int(previous.fields.get("step", 0)), previous.time, planned)
-            unplanned_now = resumed is not None and last is not None and not last[2]
-            return last, self._count_restarts(unplanned_now), self.history_mtbf_s
+            return self._past(resuming=resumed is not None)
 
         last, self._restarts, self.history_mtbf_s = coordinator.broadcast(
             Phase.AGREE, facts, what="run history"
@@ -384,31 +378,43 @@ class HealthMonitor:
             self._progress_at = time.monotonic()
             self.history.progress(step, force=True)
 
-    def _count_restarts(self, unplanned_now: bool) -> tuple[int, int]:
-        """Launches of this run that resumed before this one (from their start events, so one
-        killed in its first step counts), and resumes at another world size; also the run's
-        MTBF from its history: the time since its first start over its unplanned
-        interruptions, this launch's included when the previous one did not end by itself."""
+    def _past(
+        self, *, resuming: bool
+    ) -> tuple[tuple[int, float, bool] | None, tuple[int, int], float | None]:
+        """What the previous launches left, from one read of the run's start, resume and
+        progress records (read before this session writes its own): the last progress record
+        (step, time, planned), the launches that resumed before this one (from their start
+        events, so one killed in its first step counts) and the resumes at another world size,
+        and the run's MTBF: the time since its first start over its unplanned interruptions,
+        this launch's included when the previous one did not end by itself."""
         from lightning_elastic.core.observe.history import read_history
 
         assert self.history is not None
         try:
             events, _skipped = read_history(
-                self.history.storage, run_id=self.history.run_id, kinds=("start", "resume")
+                self.history.storage,
+                run_id=self.history.run_id,
+                kinds=("start", "resume", "progress"),
             )
         except Exception as exc:  # observability never fails training
             log.warning("could not read the run history: %r", exc)
-            return 0, 0
+            return None, (0, 0), None
+        last = None
+        progress = [e for e in events if e.kind == "progress"]
+        if progress:
+            previous = progress[-1]  # oldest first: the newest record of any session
+            planned = bool(previous.fields.get("planned", False))
+            last = (int(previous.fields.get("step", 0)), previous.time, planned)
         starts = [e for e in events if e.kind == "start"]
         resumes = [e for e in events if e.kind == "resume"]
         changes = sum(
             1 for e in resumes if e.fields.get("world_size") != e.fields.get("previous_world_size")
         )
+        unplanned_now = resuming and last is not None and not last[2]
         failures = sum(1 for e in resumes if e.fields.get("planned") is False) + unplanned_now
-        if starts:
-            self.history_mtbf_s = mtbf_from_history(failures, time.time() - starts[0].time)
+        mtbf = mtbf_from_history(failures, time.time() - starts[0].time) if starts else None
         restarted = sum(1 for e in starts if e.fields.get("resumed_from") is not None)
-        return restarted, changes
+        return last, (restarted, changes), mtbf
 
     def _resume_record(
         self, resumed: Resumed, last: tuple[int, float, bool] | None
