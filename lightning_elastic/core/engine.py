@@ -43,7 +43,7 @@ from lightning_elastic.core.load.load import (
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED, quarantine, select_checkpoint
 from lightning_elastic.core.options import check_run_name
-from lightning_elastic.core.policy.retention import KeepBestK, RetentionPolicy
+from lightning_elastic.core.policy.retention import KeepBestK, KeepLastN, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
 from lightning_elastic.core.save.plan import plan_save
 from lightning_elastic.core.save.replicated import (
@@ -52,11 +52,13 @@ from lightning_elastic.core.save.replicated import (
     ReplicationCheck,
     encode_paths,
 )
-from lightning_elastic.core.save.request import SaveContext, SaveRequest, SaveResult
-from lightning_elastic.core.save.stage import HostArena
+from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveRequest, SaveResult
+from lightning_elastic.core.save.stage import HostArena, Payload
 from lightning_elastic.core.save.write import check_compression
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
+from lightning_elastic.core.tiers.restore import Filters, Recovery, recover
+from lightning_elastic.core.tiers.runtime import TIER_ROOT_KEY, TierSet
 from lightning_elastic.errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
@@ -131,6 +133,18 @@ class CheckpointEngine:
         leftover_grace: age after which a directory without a manifest left by *another*
             job (or a stray file in a committed directory) is garbage (default: twice
             ``timeout``); this run's own leftovers are removed after its next commit.
+        local_root: a node-local directory (``/dev/shm/...``, a local disk): turns on
+            multi-tier checkpoints (docs/tiers.md). Every save commits there first and its
+            shards are replicated to other nodes; ``root`` becomes the persistent tier, written
+            every ``persist_every_n_saves``-th save; :meth:`load` recovers from the fastest
+            tier holding the newest checkpoint.
+        persist_every_n_saves: with ``local_root``: persist every k-th save (default 1; a save
+            with ``persist=True`` always is).
+        replicas: with ``local_root``: how many other nodes hold a copy of each rank's shard
+            (default 1; capped at the number of other nodes).
+        local_keep: with ``local_root``: checkpoints kept per node-local root (default 2).
+        node: with ``local_root``: this process's node id (default ``$LIGHTNING_ELASTIC_NODE``,
+            else the host name).
     """
 
     def __init__(
@@ -149,7 +163,21 @@ class CheckpointEngine:
         retention: Sequence[RetentionPolicy] = (),
         timeout: timedelta = timedelta(minutes=10),
         leftover_grace: timedelta | None = None,
+        local_root: str | os.PathLike[str] | None = None,
+        persist_every_n_saves: int | None = None,
+        replicas: int | None = None,
+        local_keep: int | None = None,
+        node: str | None = None,
     ) -> None:
+        tier_options = {
+            "persist_every_n_saves": persist_every_n_saves,
+            "replicas": replicas,
+            "local_keep": local_keep,
+            "node": node,
+        }
+        if local_root is None and any(v is not None for v in tier_options.values()):
+            given = sorted(k for k, v in tier_options.items() if v is not None)
+            raise ConfigError(f"{', '.join(given)} need local_root (a node-local directory)")
         if storage is None:
             if root is None:
                 raise ConfigError("CheckpointEngine needs a root directory or a storage")
@@ -174,9 +202,25 @@ class CheckpointEngine:
         coord = self.coordinator
         agreed_run_id = coord.broadcast(Phase.INIT, lambda: run_id or uuid.uuid4().hex[:12])
         self.catalog = Catalog(storage)
+        self._tiers: TierSet | None = None
+        written, local_retention = storage, tuple(retention)
+        if local_root is not None:
+            written = Storage(local_root)
+            local_retention = (KeepLastN(2 if local_keep is None else local_keep),)
+            self._tiers = TierSet(
+                coordinator=coord,
+                local=written,
+                persistent=storage,
+                persist_every_n_saves=1 if persist_every_n_saves is None else persist_every_n_saves,
+                replicas=1 if replicas is None else replicas,
+                retention=tuple(retention),
+                node=node,
+                timeout=timeout,
+                grace_s=grace.total_seconds(),
+            )
         self._ctx = SaveContext(
-            storage=storage,
-            catalog=self.catalog,
+            storage=written,
+            catalog=self.catalog if self._tiers is None else Catalog(written),
             coordinator=coord,
             channel=CommitChannel(
                 coord.store,
@@ -190,9 +234,10 @@ class CheckpointEngine:
             compression=compression,
             timeout_s=timeout.total_seconds(),
             arena=HostArena(pin_memory=torch.cuda.is_available()),
-            retention=tuple(retention),
+            retention=local_retention,
             leftover_grace_s=grace.total_seconds(),
         )
+        self.last_recovery: Recovery | None = None  # multi-tier: what the last load did
         self._explicit_run = run_id is not None
         self._replicas = ReplicationCheck()
         self._executor: ThreadPoolExecutor | None = None
@@ -232,13 +277,16 @@ class CheckpointEngine:
         file, cannot be created or lacks credentials fails now, on every rank, with a
         :class:`ConfigError` naming each rank's error, rather than at the first save."""
 
+        roots = [self.storage] if self._tiers is None else [self.storage, self._ctx.storage]
+
         def probe() -> str | None:
             rel = f".probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                self.storage.write_bytes(rel, b"", durable=False)
-                self.storage.delete(rel)
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"
+            for root in roots:
+                try:
+                    root.write_bytes(rel, b"", durable=False)
+                    root.delete(rel)
+                except Exception as exc:
+                    return f"{root.display()}: {type(exc).__name__}: {exc}"
             return None
 
         errors = self.coordinator.all_gather(Phase.INIT, probe)
@@ -265,6 +313,7 @@ class CheckpointEngine:
         name: str | None = None,
         overwrite: bool = False,
         blocking: bool | None = None,
+        persist: bool = False,
     ) -> SaveHandle | None:
         """Save ``state`` (identical keys on every rank) as the checkpoint of ``step``.
 
@@ -276,13 +325,15 @@ class CheckpointEngine:
         ``metadata`` must be JSON-safe and lands in the manifest, as do ``metrics`` (used by
         ``KeepBestK``). Returns ``None`` when skipped because a save is in flight
         (``when_busy="skip"``), else a handle; with ``blocking`` (default: not ``async_save``)
-        the handle is already committed.
+        the handle is already committed. With ``local_root`` (multi-tier), ``persist=True``
+        (the same on every rank) persists this save whatever ``persist_every_n_saves`` says.
         """
         self._check_open()
         called = time.monotonic()
         if not self._ready_for_new_save():
             return None
         request = self._request(step, epoch, metrics, metadata, name, overwrite)
+        to_persist = self._tiers is not None and self._tiers.decide(self._ctx, persist)
         state_dict = _to_state_dict(state)
         for reserved in (RANK_LOCAL_KEY, PER_RANK_KEY):
             if reserved in state_dict:
@@ -311,24 +362,42 @@ class CheckpointEngine:
             future = Future()
             try:
                 blocked = time.monotonic() - called
-                future.set_result(finish_save(self._ctx, planned, payload, blocked, staging_s))
+                future.set_result(self._finish(planned, payload, blocked, staging_s, to_persist))
             except BaseException as exc:
                 future.set_exception(exc)
                 raise
             return SaveHandle(future, planned.name, step, time.monotonic() - called)
         blocked_s = time.monotonic() - called
         future = self._writer().submit(
-            finish_save, self._ctx, planned, payload, blocked_s, staging_s
+            self._finish, planned, payload, blocked_s, staging_s, to_persist
         )
         self._inflight = SaveHandle(future, planned.name, step, blocked_s)
         return self._inflight
 
     def wait(self) -> SaveResult | None:
-        """Wait for the save in flight; raise its error (once) if it failed."""
+        """Wait for the save in flight (and, multi-tier, the persist in flight); raise its
+        error (once) if it failed."""
         handle, self._inflight = self._inflight, None
-        if handle is None or (handle.error_seen and handle.done()):
-            return None
-        return handle.result()
+        result = None
+        if handle is not None and not (handle.error_seen and handle.done()):
+            result = handle.result()
+        if self._tiers is not None:
+            self._tiers.wait(self._ctx)
+        return result
+
+    def _finish(
+        self,
+        planned: PlannedSave,
+        payload: Payload,
+        blocked_s: float,
+        staging_s: float,
+        persist: bool,
+    ) -> SaveResult:
+        """The background part of a save: write and commit (and, multi-tier, replicate and
+        hand the persist over)."""
+        if self._tiers is None:
+            return finish_save(self._ctx, planned, payload, blocked_s, staging_s)
+        return self._tiers.finish(self._ctx, planned, payload, blocked_s, staging_s, persist)
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and release threads and buffers."""
@@ -341,6 +410,8 @@ class CheckpointEngine:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._tiers is not None:
+                self._tiers.close()
             self._ctx.arena.release()
 
     def __enter__(self) -> CheckpointEngine:
@@ -422,8 +493,23 @@ class CheckpointEngine:
         """
         self._check_open()
         check_verify_mode(verify)
-        if self._inflight is not None:
+        if self._inflight is not None or self._tiers is not None:
             self.wait()
+        if self._tiers is not None:
+            return self._recover(
+                state,
+                checkpoint=checkpoint,
+                verify=verify,
+                strict=strict,
+                adopt_run=adopt_run,
+                take_over=take_over,
+                skip_named=checkpoint is None
+                and not self._explicit_run
+                and (take_over if skip_named_runs is None else skip_named_runs),
+                trusted=trusted,
+                per_rank_rules=per_rank_rules,
+                targets=targets,
+            )
         # verify="full" checks the shard files' checksums while loading them (one pass over
         # the bytes; load_checkpoint's ``fused``); a corrupt one found then is quarantined and
         # the walk goes on, as when selection finds it. What the corrupt one wrote in place
@@ -488,6 +574,47 @@ class CheckpointEngine:
                 shown = ", ".join(".".join(map(str, p)) for p in sorted(stale, key=str)[:3])
                 raise _partly(corrupt, f"{info.location}, loaded instead, does not hold {shown}")
             break
+        return self._loaded(info, result, adopt_run, take_over)
+
+    def _recover(
+        self,
+        state: dict[str, Any] | None,
+        *,
+        checkpoint: str | None,
+        verify: str,
+        strict: bool,
+        adopt_run: bool,
+        take_over: bool,
+        skip_named: bool,
+        trusted: bool,
+        per_rank_rules: Sequence[PerRankRule],
+        targets: Targets | None,
+    ) -> LoadResult:
+        """Multi-tier :meth:`load`: from the fastest tier (:mod:`~lightning_elastic.core.tiers.
+        restore`)."""
+        assert self._tiers is not None
+        filters = Filters(
+            checkpoint=checkpoint,
+            run_id=None if checkpoint is not None else self._run_filter(),
+            skip_named=skip_named,
+        )
+        info, result, self.last_recovery = recover(
+            self._tiers,
+            self._ctx,
+            state,
+            filters=filters,
+            verify=verify,
+            strict=strict,
+            trusted=trusted,
+            per_rank_rules=per_rank_rules,
+            targets=targets,
+        )
+        return self._loaded(info, result, adopt_run, take_over)
+
+    def _loaded(
+        self, info: CheckpointInfo, result: LoadResult, adopt_run: bool, take_over: bool
+    ) -> LoadResult:
+        """After a successful load: lineage, protection, the run id, the lease."""
         self._ctx.resumed_from = info.name
         self._ctx.parent = info.name
         self._ctx.protected.add(info.name)
@@ -516,9 +643,13 @@ class CheckpointEngine:
         the run; the first save takes it otherwise."""
         ctx = self._ctx
 
+        tiers = self._tiers
+
         def take() -> None:
             if ctx.lease is None or ctx.lease.run_id != ctx.run_id:
                 ctx.lease = take_lease(ctx.storage, ctx.run_id)
+            if tiers is not None and (p := tiers.persistent).lease is None:
+                p.lease = take_lease(p.storage, ctx.run_id)
 
         self.coordinator.broadcast(Phase.LOAD, take, error=CheckpointLoadError)
 
@@ -558,6 +689,8 @@ class CheckpointEngine:
         meta = dict(metadata or {})
         if self._explicit_run:
             meta[RUN_NAMED] = True
+        if self._tiers is not None:
+            meta[TIER_ROOT_KEY] = self.storage.display()
         return SaveRequest(step, epoch, clean_metrics, meta, name, overwrite)
 
     def _writer(self) -> ThreadPoolExecutor:

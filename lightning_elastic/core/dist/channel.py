@@ -35,7 +35,11 @@ from lightning_elastic.errors import (
     StaleWriterError,
 )
 
-__all__ = ["CommitChannel", "CommitDecision"]
+__all__ = ["POSTED", "CommitChannel", "CommitDecision"]
+
+#: what rank 0 may post beside its decision (multi-tier saves: the manifest every node
+#: writes, and whether a persist goes ahead)
+POSTED = ("manifest", "go")
 
 
 @dataclass(frozen=True)
@@ -150,12 +154,26 @@ class CommitChannel:
         self._wait([key], deadline, save_id, checkpoint)
         return CommitDecision.from_json(self.store.get(key))
 
+    def post(self, save_id: str, part: str, text: str) -> None:
+        """Rank 0: post ``text`` as ``part`` of ``save_id`` (one of :data:`POSTED`) for the
+        other ranks to :meth:`fetch`."""
+        if part not in POSTED:
+            raise ValueError(f"unknown part {part!r}")
+        self.store.set(self._key(save_id, part), text)
+
+    def fetch(self, save_id: str, part: str, deadline: float, checkpoint: str) -> str:
+        """Ranks != 0: what rank 0 posted as ``part``, or a timeout naming the silent ranks."""
+        key = self._key(save_id, part)
+        self._wait([key], deadline, save_id, checkpoint)
+        raw = self.store.get(key)
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
     def ack(self, save_id: str) -> None:
         """Called by every rank once it is done with ``save_id``; the last one cleans up."""
         done = self.store.add(self._key(save_id, "acks"), 1)
         if done >= self.world_size:
             keys = [self._key(save_id, "report", r) for r in range(self.world_size)]
-            keys += [self._key(save_id, name) for name in ("decision", "acks")]
+            keys += [self._key(save_id, name) for name in ("decision", *POSTED, "acks")]
             for key in keys:
                 try:
                     self.store.delete_key(key)

@@ -148,7 +148,7 @@ def _write_commit(
         metrics=dict(request.metrics),
         metadata=dict(request.metadata),
         resumed_from=ctx.resumed_from,
-        sequence=next_sequence(ctx.catalog),
+        sequence=next_sequence(ctx.catalog, ctx.sequence_floor),
         parent=ctx.parent,
         generation=None if ctx.lease is None else ctx.lease.generation,
         dcp_metadata=dcp_file,
@@ -159,13 +159,15 @@ def _write_commit(
     return manifest
 
 
-def next_sequence(catalog: Catalog) -> int:
-    """One more than the newest commit sequence in the root (commit order, not steps).
+def next_sequence(catalog: Catalog, floor: int = 0) -> int:
+    """One more than the newest commit sequence in the root (commit order, not steps), and
+    above ``floor`` (multi-tier: the newest sequence of every tier, so one checkpoint has one
+    place in commit order wherever a copy of it lives).
 
     Two jobs committing at the same instant may draw the same number; ties are ordered by
     creation time, then name."""
     sequences = [i.manifest.sequence for i in catalog.scan() if i.manifest is not None]
-    return min(max(sequences, default=0) + 1, MAX_SEQUENCE)  # saturate: ties go by time
+    return min(max(*sequences, floor, 0) + 1, MAX_SEQUENCE)  # saturate: ties go by time
 
 
 def encode_result(result: Any) -> list[Any]:

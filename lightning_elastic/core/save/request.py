@@ -51,6 +51,7 @@ class SaveContext:
     lease: Lease | None = None  # rank 0: this job's claim to write the run
     parent: str | None = None  # the checkpoint the next save continues (lineage)
     leftover_grace_s: float = 1200.0  # age after which anyone's leftovers are garbage
+    sequence_floor: int = 0  # commits draw sequences above it (multi-tier: every tier's newest)
 
 
 @dataclass(frozen=True)

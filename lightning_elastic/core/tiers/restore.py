@@ -1,0 +1,438 @@
+"""Recovery from the fastest tier: agree on a checkpoint, gather its files on every node, load.
+
+Which rank calls what, in what order (every rank calls :func:`recover` together from the
+training thread, with no save or persist in flight):
+
+1. **Survey** (one all-gather): each node's lead scans its local root
+   (:func:`~lightning_elastic.core.tiers.inventory.scan_node`), keeping only checkpoints that
+   belong to this persistent root (and run, when the run is named); rank 0 adds the newest
+   valid checkpoint of the persistent root.
+2. **Plan**: every rank merges the scans and calls
+   :func:`~lightning_elastic.core.tiers.recovery.plan_recovery`: the same plan everywhere.
+   Nothing recoverable anywhere is :class:`CheckpointNotFoundError`, as without tiers.
+3. **Manifest** (one all-gather of the chosen manifest's text from whoever holds it).
+4. **Verify** (``verify="full"``): each lead hashes the copies its node holds; a corrupt copy
+   is deleted (a copy: the checkpoint lives on in other tiers) and recovery starts over at 1.
+5. **Fetch**: copies a node lacks come from a peer node (point-to-point on the tier group,
+   checked at the receiver) or, when no running node holds them, from the persistent root
+   (checked against the manifest while reading). A source found corrupt is deleted (local) or
+   the persistent checkpoint quarantined, and recovery starts over at 1.
+6. Each other node's lead writes the manifest beside the files (last); every rank loads from
+   its node's local root (at any world size: DCP reshards).
+
+Every rank logs which tier its node used and the bytes by source, and gets a
+:class:`Recovery` with the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_elastic.core.forksafe import fork_safe_logger
+from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
+from lightning_elastic.core.format.manifest import MANIFEST_FILE, FileRecord, Manifest
+from lightning_elastic.core.load.load import LoadResult, Targets, load_checkpoint
+from lightning_elastic.core.load.per_rank import PerRankRule
+from lightning_elastic.core.load.select import RUN_NAMED
+from lightning_elastic.core.save.request import SaveContext
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.tiers.inventory import NodeScan, holdings, merge_candidates, scan_node
+from lightning_elastic.core.tiers.recovery import CheckpointCandidate, RecoveryPlan, plan_recovery
+from lightning_elastic.core.tiers.runtime import TIER_ROOT_KEY, TierSet
+from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
+from lightning_elastic.errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    Phase,
+    RankFailure,
+)
+
+__all__ = ["Recovery", "recover"]
+
+log = fork_safe_logger(__name__)
+_ATTEMPTS = 6  # each retry follows a deleted corrupt copy or a quarantined checkpoint
+_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What one rank's recovery did. ``tier``: the slowest source its node used (``"local"``,
+    ``"peer"``, ``"persistent"``); ``plan_tier`` the same for the whole job; ``bytes``: this
+    node's bytes of the checkpoint by source."""
+
+    checkpoint: str
+    step: int | None
+    tier: str
+    plan_tier: str
+    node: str
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain dict (logs, journals)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Survey:
+    node: str
+    scan: NodeScan | None  # leads only
+    persistent: CheckpointCandidate | None  # rank 0 only
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which checkpoints recovery may choose."""
+
+    checkpoint: str | None = None  # only this one
+    run_id: str | None = None  # only this run's
+    skip_named: bool = False  # not a named run's (an unnamed job never continues one)
+
+
+def recover(
+    tiers: TierSet,
+    ctx: SaveContext,
+    state: dict[str, Any] | None,
+    *,
+    filters: Filters,
+    verify: str,
+    strict: bool,
+    trusted: bool,
+    per_rank_rules: Sequence[PerRankRule],
+    targets: Targets | None,
+) -> tuple[CheckpointInfo, LoadResult, Recovery]:
+    """Every rank: the module's steps; the loaded checkpoint, the load's result and the
+    recovery record of this rank."""
+    start = time.monotonic()
+    coord = ctx.coordinator
+    excluded: set[str] = set()
+    for _ in range(_ATTEMPTS):
+        surveys = coord.all_gather(
+            Phase.LOAD_SELECT, functools.partial(_survey, tiers, ctx, filters, frozenset(excluded))
+        )
+        plan, candidates = _plan(tiers, surveys, excluded)
+        ctx.sequence_floor = max([ctx.sequence_floor, *(c.order[1] for c in candidates)])
+        if plan.checkpoint is None:
+            raise CheckpointNotFoundError(
+                f"no valid checkpoint in {tiers.persistent.storage.display()} or the node-local "
+                f"roots ({tiers.local.display()} on {len(tiers.layout.nodes)} node(s)); start "
+                "without resuming or point to a directory holding committed checkpoints"
+            )
+        name = plan.checkpoint
+        text = _manifest_text(tiers, ctx, name)
+        manifest = Manifest.from_json(text, ctx.storage.display(name))
+        if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, surveys):
+            continue  # a node's copy was corrupt: it holds less now
+        bad = _fetch(tiers, ctx, manifest, plan)
+        if bad is not None:
+            excluded |= bad
+            continue
+        info, result = _load(
+            tiers, ctx, state, name, text, strict, trusted, per_rank_rules, targets
+        )
+        record = _record(tiers, ctx, info, plan, time.monotonic() - start)
+        return info, result, record
+    raise _error(
+        ctx,
+        tiers.persistent.storage.display(),
+        f"recovery gave up after {_ATTEMPTS} attempts (corrupt copies kept turning up); "
+        "inspect the node-local roots with `lightning-elastic ls DIR --local PATH`",
+    )
+
+
+def _error(ctx: SaveContext, what: str, message: str) -> CheckpointLoadError:
+    """The error every rank raises (each with the same message) for a failed recovery."""
+    failure = RankFailure(ctx.coordinator.rank, Phase.LOAD, "RecoveryError", message)
+    return CheckpointLoadError(what, [failure])
+
+
+def _survey(
+    tiers: TierSet, ctx: SaveContext, filters: Filters, excluded: frozenset[str]
+) -> _Survey:
+    rank = ctx.coordinator.rank
+    scan = None
+    if tiers.layout.is_lead(rank):
+        scan = _filtered(scan_node(ctx.storage), ctx, tiers, filters, excluded)
+    persistent = None
+    if rank == 0:
+        persistent = _persistent_newest(tiers, filters, excluded)
+    return _Survey(tiers.node, scan, persistent)
+
+
+def _eligible(manifest: Manifest, tiers: TierSet, filters: Filters, local: bool) -> bool:
+    meta = manifest.metadata
+    if local and meta.get(TIER_ROOT_KEY) != tiers.persistent.storage.display():
+        return False  # another job's, or this local root used with another persistent root
+    if filters.checkpoint is not None and manifest.name != filters.checkpoint:
+        return False
+    if filters.run_id is not None and manifest.run_id != filters.run_id:
+        return False
+    return not (filters.skip_named and meta.get(RUN_NAMED))
+
+
+def _filtered(
+    scan: NodeScan, ctx: SaveContext, tiers: TierSet, filters: Filters, excluded: frozenset[str]
+) -> NodeScan:
+    keep = []
+    for cand in scan.candidates:
+        if cand.name in excluded:
+            continue
+        try:
+            info = ctx.catalog.info(cand.name)
+        except Exception:
+            continue
+        if info.manifest is not None and _eligible(info.manifest, tiers, filters, local=True):
+            keep.append(cand)
+    names = {c.name for c in keep}
+    held = {n: files for n, files in scan.checkpoints.items() if n in names}
+    return NodeScan(held, tuple(keep))
+
+
+def _persistent_newest(
+    tiers: TierSet, filters: Filters, excluded: frozenset[str]
+) -> CheckpointCandidate | None:
+    """Rank 0: the newest valid checkpoint of the persistent root that recovery may choose."""
+    for info in reversed(tiers.persistent.catalog.scan()):
+        m = info.manifest
+        if info.status != VALID or m is None or info.name in excluded:
+            continue
+        if _eligible(m, tiers, filters, local=False):
+            files = {f"{info.name}/{f.path}": f.size for f in m.files}
+            return CheckpointCandidate(info.name, info.sort_key(), files, persisted=True)
+    return None
+
+
+def _plan(
+    tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]
+) -> tuple[RecoveryPlan, list[CheckpointCandidate]]:
+    scans = [s.scan for s in surveys if s.scan is not None]
+    candidates = [c for c in merge_candidates(scans) if c.name not in excluded]
+    persistent = surveys[0].persistent
+    known = {c.name: c for c in candidates}
+    if persistent is not None:
+        same = known.get(persistent.name)
+        if same is not None and (same.order != persistent.order or same.files != persistent.files):
+            log.warning(
+                "%s differs between the node-local and the persistent tier: using the "
+                "persistent copy only",
+                persistent.name,
+            )
+            candidates = [c for c in candidates if c.name != persistent.name]
+    nodes = [
+        holdings(s.scan, node=s.node, ranks=tiers.layout.ranks_of(s.node))
+        for s in surveys
+        if s.scan is not None
+    ]
+    plan = plan_recovery(candidates, nodes, persistent_newest=persistent)
+    for skipped, why in plan.skipped.items():
+        if tiers.coordinator.is_coordinator:
+            log.warning("not recovering from %s: %s", skipped, why)
+    return plan, [*candidates, *([persistent] if persistent else [])]
+
+
+def _manifest_text(tiers: TierSet, ctx: SaveContext, name: str) -> str:
+    """The chosen checkpoint's manifest, from whichever node (or the persistent root) has it."""
+
+    def mine() -> str | None:
+        rank = ctx.coordinator.rank
+        if tiers.layout.is_lead(rank) and ctx.storage.exists(f"{name}/{MANIFEST_FILE}"):
+            return ctx.storage.read_bytes(f"{name}/{MANIFEST_FILE}").decode()
+        if rank == 0 and tiers.persistent.storage.exists(f"{name}/{MANIFEST_FILE}"):
+            return tiers.persistent.storage.read_bytes(f"{name}/{MANIFEST_FILE}").decode()
+        return None
+
+    texts = ctx.coordinator.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
+    found = [t for t in texts if t is not None]
+    if not found:
+        raise _error(ctx, name, "its manifest vanished during recovery")
+    return found[0]
+
+
+def _my_fetches(tiers: TierSet, ctx: SaveContext, plan: RecoveryPlan) -> list[Any]:
+    return [f for f in plan.fetches if f.dst_rank == ctx.coordinator.rank]
+
+
+def _drop_corrupt(
+    tiers: TierSet,
+    ctx: SaveContext,
+    manifest: Manifest,
+    plan: RecoveryPlan,
+    surveys: Sequence[_Survey],
+) -> bool:
+    """Each lead hashes its node's copies of the chosen checkpoint; corrupt ones are deleted.
+    ``True`` (everywhere) when some node had one."""
+    rank, name = ctx.coordinator.rank, manifest.name
+
+    def check() -> list[str]:
+        if not tiers.layout.is_lead(rank):
+            return []
+        scan = next(s.scan for s in surveys if s.node == tiers.node and s.scan is not None)
+        bad = []
+        for record in manifest.files:
+            rel = f"{name}/{record.path}"
+            if rel not in scan.checkpoints.get(name, {}):
+                continue
+            got = ctx.storage.hash_file(rel, manifest.checksum_algorithm)
+            if got.checksum != record.checksum:
+                log.warning(
+                    "the node-local copy %s is corrupt (checksum %s, the manifest says %s): "
+                    "deleting it; it is fetched from another tier",
+                    ctx.storage.display(rel),
+                    got.checksum,
+                    record.checksum,
+                )
+                ctx.storage.delete(rel)
+                bad.append(rel)
+        return bad
+
+    found = ctx.coordinator.all_gather(Phase.LOAD_VERIFY, check, error=CheckpointLoadError)
+    return any(found)
+
+
+def _fetch(
+    tiers: TierSet, ctx: SaveContext, manifest: Manifest, plan: RecoveryPlan
+) -> set[str] | None:
+    """Make every node's copy complete: ``None`` when done, else what to exclude from the
+    next attempt (the checkpoint when its persistent copy is corrupt: quarantined there; an
+    empty set when a corrupt local source was deleted)."""
+    coord, rank = ctx.coordinator, ctx.coordinator.rank
+    records = {f"{manifest.name}/{f.path}": f for f in manifest.files}
+    alg = manifest.checksum_algorithm
+    mine = _my_fetches(tiers, ctx, plan)
+    for f in mine:  # a wrong-size copy is not held: make room for the good one
+        ctx.storage.delete(f.file)
+    peer = [
+        Transfer(f.src_rank, f.dst_rank, f.file, f.size, records[f.file].checksum, alg)
+        for f in plan.fetches
+        if f.src_rank is not None
+    ]
+
+    def fetch() -> dict[str, Any]:
+        outcome: dict[str, Any] = {"corrupt_sources": [], "persistent_corrupt": None}
+        if peer and tiers.group is not None:
+            try:
+                execute_transfers(
+                    peer, rank=rank, group=tiers.group, storage=ctx.storage, timeout=tiers.timeout
+                )
+            except TransferError as exc:
+                for failure in exc.failures:
+                    t = failure.transfer
+                    if failure.kind == "integrity" and t.src == rank:
+                        ctx.storage.delete(t.path)  # our copy is the corrupt one
+                        outcome["corrupt_sources"].append(t.path)
+                    elif failure.kind != "integrity":
+                        raise
+        for f in mine:
+            if f.src_rank is None:
+                record = records[f.file]
+                try:
+                    _download(tiers.persistent.storage, ctx.storage, f.file, record, alg)
+                except IntegrityError as exc:
+                    outcome["persistent_corrupt"] = [f.file, exc.reason]
+        return outcome
+
+    outcomes = coord.all_gather(Phase.LOAD, fetch, error=CheckpointLoadError)
+    corrupt = [o["persistent_corrupt"] for o in outcomes if o["persistent_corrupt"]]
+    if corrupt and rank == 0:
+        file, reason = corrupt[0]
+        try:
+            tiers.persistent.catalog.quarantine(manifest.name, file, reason)
+        except Exception as exc:
+            log.warning("could not quarantine %s: %r", manifest.name, exc)
+    if corrupt:
+        return {manifest.name}
+    if any(o["corrupt_sources"] for o in outcomes):
+        return set()  # deleted: the next attempt's scan sees fewer copies
+    return None
+
+
+def _load(
+    tiers: TierSet,
+    ctx: SaveContext,
+    state: dict[str, Any] | None,
+    name: str,
+    text: str,
+    strict: bool,
+    trusted: bool,
+    per_rank_rules: Sequence[PerRankRule],
+    targets: Targets | None,
+) -> tuple[CheckpointInfo, LoadResult]:
+    """Each other lead writes the manifest beside the files; every rank loads its node's copy."""
+    coord = ctx.coordinator
+
+    def commit() -> None:
+        if tiers.layout.is_lead(coord.rank) and not ctx.storage.exists(f"{name}/{MANIFEST_FILE}"):
+            ctx.storage.write_bytes(f"{name}/{MANIFEST_FILE}", text.encode(), exclusive=True)
+
+    coord.all_gather(Phase.LOAD, commit, error=CheckpointLoadError)
+    ctx.catalog.forget(name)
+    info = ctx.catalog.info(name)
+    if info.status != VALID:
+        raise _error(ctx, info.location, f"the node-local copy is {info.status.value}")
+    result = load_checkpoint(
+        ctx.storage,
+        coord,
+        info,
+        state,
+        strict=strict,
+        trusted=trusted,
+        per_rank_rules=per_rank_rules,
+        targets=targets,
+    )
+    return info, result
+
+
+def _record(
+    tiers: TierSet, ctx: SaveContext, info: CheckpointInfo, plan: RecoveryPlan, seconds: float
+) -> Recovery:
+    """This rank's recovery record, logged."""
+    lead = tiers.layout.lead(tiers.node)
+    fetched = [f for f in plan.fetches if f.dst_rank == lead]
+    total = info.manifest.total_bytes if info.manifest is not None else 0
+    by_source = {"local": 0, "peer": 0, "persistent": 0}
+    for f in fetched:
+        by_source[f.source] += f.size
+    by_source["local"] = max(0, total - by_source["peer"] - by_source["persistent"])
+    tier = "local"
+    if by_source["persistent"]:
+        tier = "persistent"
+    elif by_source["peer"]:
+        tier = "peer"
+    record = Recovery(
+        info.name, info.step, tier, plan.tier, tiers.node, by_source, seconds, dict(plan.skipped)
+    )
+    log.info(
+        "rank %d on node %s recovered %s from %s: local %d B, peer %d B, persistent %d B (%.2f s)",
+        ctx.coordinator.rank,
+        tiers.node,
+        info.name,
+        tier,
+        by_source["local"],
+        by_source["peer"],
+        by_source["persistent"],
+        seconds,
+    )
+    return record
+
+
+def _download(src: Storage, dst: Storage, rel: str, record: FileRecord, alg: str) -> None:
+    size, checksum = record.size, record.checksum
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, size, _CHUNK):
+            yield src.read_bytes(rel, start, min(_CHUNK, size - start))
+
+    written = dst.write_stream(rel, chunks, checksum=alg)
+    if written.size != size or written.checksum != checksum:
+        dst.delete(rel)
+        raise IntegrityError(
+            rel.split("/", 1)[0],
+            rel,
+            f"the persistent copy has checksum {written.checksum}, the manifest says {checksum}",
+        )

@@ -1,0 +1,284 @@
+"""The save side of multi-tier checkpoints: one engine's node-local tier, replicas on other
+nodes, and the persistent root it persists every k-th save to.
+
+Which rank calls what, in what order (the engine does; every rank, same order):
+
+* construction (collective): the node layout is gathered
+  (:class:`~lightning_elastic.core.tiers.layout.NodeLayout`) and a dedicated gloo group is
+  created for the replica transfers: never the training group, and not the checkpoint group
+  either (the training thread runs the per-step agreement on that one while replicas move);
+* :meth:`TierSet.decide` on the training thread at every save, before planning: whether this
+  save is persisted (every ``persist_every_n_saves``-th, or forced: the last save, a signal),
+  agreed with one all-reduce that also says whether every rank's previous persist finished
+  (a persist still running defers the next one to the following save); a finished persist's
+  failure is raised here, on every rank;
+* :meth:`TierSet.finish` in the background writer, in place of the plain ``finish_save``: the
+  local two-phase commit (rank 0 commits into its node's local root), then the manifest is
+  handed to every rank through the store, each rank's shard is sent to its replica nodes and
+  the DCP metadata to every node (point-to-point on the tier group, checksums checked at the
+  receiver), each other node's lead writes the manifest into its local root (last, with
+  exclusive create) and applies the local retention there; then, when decided, the persist
+  is handed to the persister thread (:mod:`~lightning_elastic.core.tiers.persist`).
+
+A replica that could not be sent (a peer died) is logged and counted, not raised: the save is
+committed on the local tier, and the node that lacks the replica fetches it at recovery if it
+still can. A node's local root thus holds, per checkpoint, the manifest, its own ranks' shards
+and the replicas it received; a missing file there is normal (never "corrupt").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_elastic.core.dist.channel import CommitChannel
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.forksafe import fork_safe_logger
+from lightning_elastic.core.format.catalog import Catalog
+from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
+from lightning_elastic.core.policy.housekeeping import after_commit
+from lightning_elastic.core.policy.retention import RetentionPolicy
+from lightning_elastic.core.save.pipeline import finish_save
+from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
+from lightning_elastic.core.save.stage import Payload
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.tiers.layout import NodeLayout, node_name
+from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
+from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
+from lightning_elastic.errors import CheckpointExistsError, ConfigError, Phase
+
+__all__ = ["TIER_ROOT_KEY", "TierSet"]
+
+log = fork_safe_logger(__name__)  # also logs from the writer thread
+
+#: manifest metadata: the persistent root a node-local checkpoint belongs to (a local root
+#: reused by another job, or by this job with another persistent root, is not recovered from)
+TIER_ROOT_KEY = "tier_persistent_root"
+
+
+def _positive(value: object, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class TierSet:
+    """The tiers of one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        coordinator: Coordinator,
+        local: Storage,
+        persistent: Storage,
+        persist_every_n_saves: int = 1,
+        replicas: int = 1,
+        retention: Sequence[RetentionPolicy] = (),
+        node: str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+        grace_s: float = 1200.0,
+    ) -> None:
+        self.every = _positive(persist_every_n_saves, "persist_every_n_saves", 1)
+        self.replicas = _positive(replicas, "replicas", 0)
+        if local.display().rstrip("/") == persistent.display().rstrip("/"):
+            raise ConfigError(
+                f"the node-local root and the persistent root are the same ({local.display()}): "
+                "give local_dirpath a node-local directory (/dev/shm/..., a local disk)"
+            )
+        coord = self.coordinator = coordinator
+        self.local = local
+        self.timeout = timeout
+        self.node = node or node_name()
+        self.layout = NodeLayout.gather(coord, self.node)
+        self.group: dist.ProcessGroup | None = None
+        if coord.distributed:
+            if dist.get_world_size() != coord.world_size:
+                raise ConfigError(
+                    "multi-tier checkpoints need the checkpoint group to span the whole job "
+                    f"({coord.world_size} of {dist.get_world_size()} ranks)"
+                )
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+        def channel(name: str) -> CommitChannel:
+            return CommitChannel(
+                coord.store,
+                rank=coord.rank,
+                world_size=coord.world_size,
+                namespace=coord.key(name),
+                timeout_s=timeout.total_seconds(),
+            )
+
+        self.persistent = PersistentTier(
+            persistent, Catalog(persistent), channel("persist"), tuple(retention), grace_s=grace_s
+        )
+        self._manifests = channel("tier")
+        self._since_persist = 0
+        self._persisting: Future[bool] | None = None
+        self._persisting_name: str | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._floor_known = False
+        self.replica_failures = 0
+
+    # ------------------------------------------------------------------ training thread
+
+    def decide(self, ctx: SaveContext, force: bool) -> bool:
+        """Every rank, before planning a save: whether it is persisted (module docstring)."""
+        running = self._persisting
+        idle = self.coordinator.all(running is None or running.done(), Phase.SAVE_DECIDE)
+        if running is not None and (idle or force):
+            self._finished(ctx)  # waits (forced); raises a failed persist's error, everywhere
+            idle = True
+        persist = idle and (force or self._since_persist + 1 >= self.every)
+        self._since_persist = 0 if persist else self._since_persist + 1
+        return persist
+
+    def wait(self, ctx: SaveContext) -> None:
+        """Wait for the persist in flight (every rank), raising its error."""
+        if self._persisting is not None:
+            self._finished(ctx)
+
+    def close(self) -> None:
+        """Release the persister thread and the tier group (after :meth:`wait`)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self.group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
+
+    def _finished(self, ctx: SaveContext) -> None:
+        future, name = self._persisting, self._persisting_name
+        self._persisting = self._persisting_name = None
+        if name is not None and name != ctx.resumed_from:
+            ctx.protected.discard(name)  # local retention may delete it from now on
+        if future is not None and not future.result():
+            self._since_persist = self.every  # skipped there: persist the next save
+
+    # ------------------------------------------------------------------ background writer
+
+    def finish(
+        self,
+        ctx: SaveContext,
+        planned: PlannedSave,
+        payload: Payload,
+        blocked_s: float,
+        staging_s: float,
+        persist: bool,
+    ) -> SaveResult:
+        """The background part of a tiered save (module docstring)."""
+        if ctx.coordinator.is_coordinator and not self._floor_known:
+            # commits draw sequences above the persistent root's too (one commit order)
+            seqs = [i.sequence for i in self.persistent.catalog.scan() if i.manifest is not None]
+            ctx.sequence_floor = max(ctx.sequence_floor, *seqs, 0)
+            self._floor_known = True
+        result = finish_save(ctx, planned, payload, blocked_s, staging_s)
+        manifest, text = self._share_manifest(ctx, planned, result)
+        ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
+        self._replicate(ctx, manifest, text)
+        if persist:
+            ctx.protected.add(manifest.name)  # kept locally until it is uploaded
+            self._persisting_name = manifest.name
+            self._persisting = self._persister().submit(
+                persist_checkpoint,
+                self.persistent,
+                local=ctx.storage,
+                manifest=manifest,
+                rank=ctx.coordinator.rank,
+                timeout_s=self.timeout.total_seconds(),
+                protected=frozenset(ctx.protected),
+            )
+        return result
+
+    def _share_manifest(
+        self, ctx: SaveContext, planned: PlannedSave, result: SaveResult
+    ) -> tuple[Manifest, str]:
+        """Every rank gets the committed manifest and its text (rank 0 posts it through the
+        store)."""
+        ch, save_id = self._manifests, planned.save_id
+        what = ctx.storage.display(planned.name)
+        try:
+            if ctx.coordinator.is_coordinator:
+                assert result.manifest is not None
+                text = result.manifest.to_json()
+                ch.post(save_id, "manifest", text)
+            else:
+                deadline = planned.started + ctx.timeout_s + self.timeout.total_seconds()
+                text = ch.fetch(save_id, "manifest", deadline, what)
+        finally:
+            ch.ack(save_id)
+        return result.manifest or Manifest.from_json(text, what), text
+
+    def _replicate(self, ctx: SaveContext, manifest: Manifest, text: str) -> None:
+        """Replicas and the DCP metadata to the other nodes; then each other node's lead
+        commits its copy (manifest last) and applies the local retention there."""
+        rank = ctx.coordinator.rank
+        transfers = self.transfers(manifest)
+        if transfers and self.group is not None:
+            try:
+                execute_transfers(
+                    transfers,
+                    rank=rank,
+                    group=self.group,
+                    storage=ctx.storage,
+                    timeout=self.timeout,
+                )
+            except TransferError as exc:
+                self.replica_failures += 1
+                log.warning("replicas of %s are incomplete: %s", manifest.name, exc)
+        if rank == 0 or not self.layout.is_lead(rank):
+            return  # rank 0 committed into its node's root itself
+        try:
+            body = text.encode()
+            ctx.storage.write_bytes(f"{manifest.name}/{MANIFEST_FILE}", body, exclusive=True)
+        except CheckpointExistsError:
+            log.warning(
+                "%s already holds a manifest: this node keeps no copy of the save",
+                ctx.storage.display(manifest.name),
+            )
+            return
+        except Exception:
+            log.warning("could not commit %s on node %s", manifest.name, self.node, exc_info=True)
+            return
+        after_commit(
+            ctx.storage,
+            ctx.catalog,
+            manifest,
+            name=manifest.name,
+            run_id=ctx.run_id,
+            retention=ctx.retention,
+            protected=frozenset(ctx.protected),
+            grace_s=ctx.leftover_grace_s,
+        )
+
+    def transfers(self, manifest: Manifest) -> list[Transfer]:
+        """The copies one save makes: each rank's shard to the leads of its replica nodes,
+        the DCP metadata (rank 0's) to every other node's lead. Same list on every rank."""
+        layout, name = self.layout, manifest.name
+        alg = manifest.checksum_algorithm
+        shards = {f.rank: f for f in manifest.files if f.rank is not None}
+        out: list[Transfer] = []
+        for node, ranks in layout.nodes:
+            for dst in layout.replica_nodes(node, self.replicas):
+                for r in ranks:
+                    f = shards.get(r)
+                    if f is not None:
+                        path = f"{name}/{f.path}"
+                        out.append(Transfer(r, layout.lead(dst), path, f.size, f.checksum, alg))
+        home = layout.node_of(0)
+        for f in manifest.files:
+            if f.rank is None:
+                for node in layout.names:
+                    if node != home:
+                        path = f"{name}/{f.path}"
+                        out.append(Transfer(0, layout.lead(node), path, f.size, f.checksum, alg))
+        return out
+
+    def _persister(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning-elastic-persist")
+        return self._executor
