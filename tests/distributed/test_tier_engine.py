@@ -1,0 +1,120 @@
+"""Multi-tier checkpoints through the engine: local commits on every node, replicas on the
+other node, persistence, and recovery from the fastest tier (2-3 ranks, gloo, several
+"nodes" on one machine, each with its own local root)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic.testing.spawn import run_distributed
+from tests.distributed.tier_engine_workers import load_latest, save_steps
+
+pytestmark = pytest.mark.timeout(180)
+NODES = ["a", "b"]
+
+
+def names(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name.startswith("step_")) if path.exists() else []
+
+
+def files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_every_node_commits_each_save_with_the_other_nodes_replicas_and_recovers_locally(
+    tmp_path,
+) -> None:
+    out = run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2, 3, 4], persist_every_n_saves=3)
+    assert [o["replica_failures"] for o in out] == [0, 0]
+    persistent = tmp_path / "persistent"
+    # saves 3 (the 3rd) and 4 (forced: the last) persisted; retention keeps 2 per node
+    assert names(persistent) == ["step_000000003", "step_000000004"]
+    for node in NODES:
+        local = tmp_path / f"local_{node}"
+        assert names(local) == ["step_000000003", "step_000000004"]
+        held = files(local / "step_000000004")
+        assert "manifest.json" in held and sum(f.endswith(".distcp") for f in held) == 2
+        same = json.loads((local / "step_000000004/manifest.json").read_text())
+        persisted = json.loads((persistent / "step_000000004/manifest.json").read_text())
+        assert (same["sequence"], same["files"]) == (persisted["sequence"], persisted["files"])
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    for rank, g in enumerate(got):
+        assert g["step"] == 4 and g["w_ok"] and g["mine"] == 400 + rank
+        assert g["rank_state"] == {"rank": rank, "step": 4}
+        assert g["recovery"]["tier"] == "local"
+        assert g["recovery"]["bytes"]["peer"] == g["recovery"]["bytes"]["persistent"] == 0
+
+
+def test_a_fresh_node_recovers_from_the_replicas_and_both_lost_from_the_persistent_tier(
+    tmp_path,
+) -> None:
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2, 3], persist_every_n_saves=10)
+    # only step 3 (the last) was persisted; now node b is a fresh node
+    shutil.rmtree(tmp_path / "local_b")
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    assert [g["recovery"]["tier"] for g in got] == ["local", "peer"]
+    assert got[1]["recovery"]["bytes"]["persistent"] == 0 and got[1]["recovery"]["bytes"]["peer"] > 0
+    assert [g["mine"] for g in got] == [300, 301]
+    # both nodes lost: the persistent tier
+    shutil.rmtree(tmp_path / "local_a")
+    shutil.rmtree(tmp_path / "local_b")
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    assert [g["recovery"]["tier"] for g in got] == ["persistent", "persistent"]
+    assert [g["mine"] for g in got] == [300, 301] and all(g["w_ok"] for g in got)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_local_copy_is_deleted_and_fetched_from_the_peer(tmp_path) -> None:
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2, 3], persist_every_n_saves=10)
+    shards = sorted((tmp_path / "local_a/step_000000003").glob("*.distcp"))
+    flip_byte(shards[0])
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    assert [g["step"] for g in got] == [3, 3] and [g["mine"] for g in got] == [300, 301]
+    assert [g["recovery"]["tier"] for g in got] == ["peer", "local"]
+    assert all(g["recovery"]["bytes"]["persistent"] == 0 for g in got)
+
+
+def test_a_local_tier_older_than_the_persistent_one_loses_to_it(tmp_path) -> None:
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2])
+    for node in NODES:
+        shutil.copytree(tmp_path / f"local_{node}", tmp_path / f"old_{node}")
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [3, 4])
+    for node in NODES:  # the node is reused after a long time: its old copies are back
+        shutil.rmtree(tmp_path / f"local_{node}")
+        shutil.move(tmp_path / f"old_{node}", tmp_path / f"local_{node}")
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    assert [g["step"] for g in got] == [4, 4]
+    assert [g["recovery"]["tier"] for g in got] == ["persistent", "persistent"]
+
+
+def test_a_changed_world_size_recovers_from_the_nodes_that_hold_every_shard(tmp_path) -> None:
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2], per_rank=False)
+    got = run_distributed(load_latest, 3, str(tmp_path), ["a", "a", "b"], per_rank=False)
+    assert [g["step"] for g in got] == [2, 2, 2] and all(g["w_ok"] for g in got)
+    assert [g["recovery"]["tier"] for g in got] == ["local"] * 3
+    assert [g["rank_state"] for g in got][2] is None  # a new rank: no state of its own
+    shutil.rmtree(tmp_path / "local_b")  # scale down to node a alone: it holds b's replicas
+    got = run_distributed(load_latest, 1, str(tmp_path), ["a"], per_rank=False)
+    assert got[0]["step"] == 2 and got[0]["recovery"]["tier"] == "local"
+
+
+def test_without_replicas_a_lost_node_is_recovered_from_the_persistent_tier(tmp_path) -> None:
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2, 3], replicas=0)
+    assert len(files(tmp_path / "local_a/step_000000003")) == 3  # manifest, DCP metadata, own
+    shutil.rmtree(tmp_path / "local_b")
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES, replicas=0)
+    assert [g["step"] for g in got] == [3, 3]
+    # a load may read any shard (replicated tensors live in one rank's file), so every node
+    # gets every file: a reads b's shard from the persistent tier, b everything but nothing more
+    a, b = (g["recovery"]["bytes"] for g in got)
+    assert [g["recovery"]["tier"] for g in got] == ["persistent", "persistent"]
+    assert a["local"] > 0 and b["local"] == 0 and a["persistent"] < b["persistent"]
