@@ -42,7 +42,7 @@ from lightning_elastic.core.load.load import (
 )
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED, quarantine, select_checkpoint
-from lightning_elastic.core.options import check_run_name
+from lightning_elastic.core.options import check_run_name, tier_options
 from lightning_elastic.core.policy.retention import KeepBestK, KeepLastN, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
 from lightning_elastic.core.save.plan import plan_save
@@ -169,15 +169,13 @@ class CheckpointEngine:
         local_keep: int | None = None,
         node: str | None = None,
     ) -> None:
-        tier_options = {
-            "persist_every_n_saves": persist_every_n_saves,
-            "replicas": replicas,
-            "local_keep": local_keep,
-            "node": node,
-        }
-        if local_root is None and any(v is not None for v in tier_options.values()):
-            given = sorted(k for k, v in tier_options.items() if v is not None)
-            raise ConfigError(f"{', '.join(given)} need local_root (a node-local directory)")
+        tier_options(  # validates them (ConfigError)
+            local_root,
+            persist_every_n_saves=persist_every_n_saves,
+            replicas=replicas,
+            local_keep=local_keep,
+            node=node,
+        )
         if storage is None:
             if root is None:
                 raise ConfigError("CheckpointEngine needs a root directory or a storage")
@@ -384,6 +382,14 @@ class CheckpointEngine:
         if self._tiers is not None:
             self._tiers.wait(self._ctx)
         return result
+
+    def persist_latest(self) -> bool:
+        """Multi-tier: persist the newest save now unless it is persisted already, and wait
+        (collective; the end of a fit, a preemption). ``False`` when there was nothing to do
+        (or no tiers)."""
+        self._check_open()
+        self.wait()
+        return self._tiers is not None and self._tiers.persist_latest(self._ctx)
 
     def _finish(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 import signal as signal_module
 from collections.abc import Sequence
@@ -170,3 +171,37 @@ def one_timeout(**sources: timedelta | float | None) -> timedelta:
             "same value)"
         )
     return timedelta(seconds=next(iter(given.values()))) if given else DEFAULT_TIMEOUT
+
+
+def tier_options(
+    local_dirpath: Any,
+    *,
+    persist_every_n_saves: Any = None,
+    replicas: Any = None,
+    local_keep: Any = None,
+    node: Any = None,
+) -> dict[str, Any]:
+    """The multi-tier options as :class:`CheckpointEngine` keywords (``local_root=`` ...),
+    validated; empty without ``local_dirpath`` (then the others must not be given)."""
+    given = {
+        "persist_every_n_saves": persist_every_n_saves,
+        "replicas": replicas,
+        "local_keep": local_keep,
+        "node": node,
+    }
+    if local_dirpath is None:
+        extra = sorted(k for k, v in given.items() if v is not None)
+        if extra:
+            raise ConfigError(f"{', '.join(extra)} need local_dirpath (a node-local directory)")
+        return {}
+    if not isinstance(local_dirpath, (str, os.PathLike)) or not str(local_dirpath):
+        raise ConfigError(f"local_dirpath must be a path, got {local_dirpath!r}")
+    if persist_every_n_saves is not None:
+        check_count(persist_every_n_saves, "persist_every_n_saves")
+    if replicas is not None:
+        check_count(replicas, "replicas", minimum=0)
+    if local_keep is not None:
+        check_count(local_keep, "local_keep")
+    if node is not None and (not isinstance(node, str) or not node or "/" in node):
+        raise ConfigError(f"node must be a non-empty name without '/', got {node!r}")
+    return {"local_root": str(local_dirpath), **given}

@@ -50,6 +50,7 @@ from lightning_elastic.core.options import (
     check_seconds,
     check_signals,
     one_timeout,
+    tier_options,
 )
 from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
@@ -132,6 +133,17 @@ class DistributedCheckpoint(Checkpoint):
             the per-step agreement at each window's last step).
         history: record the run's events (starts, resumes, commits, progress) in
             ``dirpath/_history`` for ``lightning-elastic report`` and the lost-work metrics.
+        local_dirpath: a node-local directory (``/dev/shm/...``, a local NVMe disk): multi-tier
+            checkpoints (docs/tiers.md). Every save commits there first and each rank's shard
+            is copied to ``replicas`` other nodes; ``dirpath`` becomes the persistent tier,
+            written every ``persist_every_n_saves``-th save and at the end of a fit or on a
+            signal; resume reads each node's files from the fastest tier holding them.
+        persist_every_n_saves: with ``local_dirpath``: persist every k-th save (default 1).
+        replicas: with ``local_dirpath``: other nodes holding a copy of each rank's shard
+            (default 1).
+        local_keep: with ``local_dirpath``: checkpoints kept per node (default 2).
+        node: with ``local_dirpath``: this node's id (default ``$LIGHTNING_ELASTIC_NODE``,
+            else the host name).
     """
 
     def __init__(
@@ -165,6 +177,11 @@ class DistributedCheckpoint(Checkpoint):
         straggler_factor: float | None = 1.5,
         straggler_window: int = 50,
         history: bool = True,
+        local_dirpath: str | Path | None = None,
+        persist_every_n_saves: int | None = None,
+        replicas: int | None = None,
+        local_keep: int | None = None,
+        node: str | None = None,
     ) -> None:
         if dirpath is not None and not isinstance(dirpath, (str, Path)):
             raise ConfigError(f"dirpath must be a path or URL string, got {dirpath!r}")
@@ -189,6 +206,13 @@ class DistributedCheckpoint(Checkpoint):
         self.straggler_factor = check_factor(straggler_factor)
         self.straggler_window = check_count(straggler_window, "straggler_window")
         self.history = check_bool(history, "history")
+        self._tiers = tier_options(
+            local_dirpath,
+            persist_every_n_saves=persist_every_n_saves,
+            replicas=replicas,
+            local_keep=local_keep,
+            node=node,
+        )
         self._monitor: HealthMonitor | None = None
         self.save_on_train_end = check_bool(save_on_train_end, "save_on_train_end")
         self.async_save = check_bool(async_save, "async_save")
@@ -227,6 +251,7 @@ class DistributedCheckpoint(Checkpoint):
         self._reason = ""  # of the save in flight
         self._first_step = False
         self._setup_unix = 0.0
+        self._recovery: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -253,6 +278,13 @@ class DistributedCheckpoint(Checkpoint):
         """What this rank observed in the last ``fit`` (``health.health``: the metrics;
         ``stragglers``: the last window's findings; ``port``: the metrics endpoint's)."""
         return self._monitor
+
+    @property
+    def recovery(self) -> dict[str, Any] | None:
+        """Multi-tier (``local_dirpath``): what this rank's resume read, and from which tier
+        (``checkpoint``, ``step``, ``tier``, ``plan_tier``, ``node``, ``bytes`` by source);
+        ``None`` without tiers or on a fresh start."""
+        return self._recovery
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the end of the current optimizer step (any rank may ask);
@@ -285,6 +317,7 @@ class DistributedCheckpoint(Checkpoint):
             retention=self._retention,
             compression=self.compression,
             run_id=self.run_name,
+            **self._tiers,
         )
         session.writer = self._engine
         if stage == "fit":
@@ -314,6 +347,8 @@ class DistributedCheckpoint(Checkpoint):
             trainer.train_dataloader, async_save=self.async_save, rank=trainer.global_rank
         )
         self._schedule.start(trainer.global_step)
+        last = self.engine.last_recovery
+        self._recovery = None if last is None else last.to_json()
         self.preempted_by = None
         self._first_step = True
         if self._monitor is not None:
@@ -364,6 +399,8 @@ class DistributedCheckpoint(Checkpoint):
             checkpoint = self._train_end_checkpoint(trainer)
             self._save(trainer, reason="train_end", blocking=True, checkpoint=checkpoint)
         self._finish_pending(trainer, wait=True)
+        if self.save_on_train_end:
+            self.engine.persist_latest()  # multi-tier: the end of a fit is persisted
         if self._monitor is not None:
             self._monitor.train_end(trainer.global_step, reason="train_end")
 
@@ -598,6 +635,8 @@ class DistributedCheckpoint(Checkpoint):
         self._finish_pending(trainer, wait=True)
         if trainer.global_step != self._schedule.last_step:
             self._save(trainer, reason=f"signal:{name}", blocking=True, checkpoint=checkpoint)
+        self._finish_pending(trainer, wait=True)
+        self.engine.persist_latest()  # multi-tier: a preempted job's nodes may not come back
         self.preempted_by = signum
         self._schedule.stop()
         trainer.should_stop = True

@@ -174,7 +174,8 @@ class ElasticSession:
         metrics: Mapping[str, float] | None = None,
         checkpoint: dict[str, Any] | None = None,
     ) -> SaveHandle | None:
-        """Save the trainer's full state (every rank calls this together)."""
+        """Save the trainer's full state (every rank calls this together). Multi-tier: the
+        save at the end of a fit or on a signal is persisted."""
         trainer = self.trainer
         if checkpoint is None:
             checkpoint = dump_checkpoint(trainer)
@@ -207,6 +208,7 @@ class ElasticSession:
             name=name,
             overwrite=overwrite,
             blocking=blocking,
+            persist=reason == "train_end" or reason.startswith("signal"),
         )
 
     def data_position(self) -> DataPosition | None:

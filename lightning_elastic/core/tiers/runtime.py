@@ -40,6 +40,7 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
+from lightning_elastic.core.options import check_count
 from lightning_elastic.core.policy.housekeeping import after_commit
 from lightning_elastic.core.policy.retention import RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save
@@ -60,12 +61,6 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 TIER_ROOT_KEY = "tier_persistent_root"
 
 
-def _positive(value: object, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 class TierSet:
     """The tiers of one engine (see the module docstring)."""
 
@@ -82,8 +77,8 @@ class TierSet:
         timeout: timedelta = timedelta(minutes=10),
         grace_s: float = 1200.0,
     ) -> None:
-        self.every = _positive(persist_every_n_saves, "persist_every_n_saves", 1)
-        self.replicas = _positive(replicas, "replicas", 0)
+        self.every = check_count(persist_every_n_saves, "persist_every_n_saves")
+        self.replicas = check_count(replicas, "replicas", minimum=0)
         if local.display().rstrip("/") == persistent.display().rstrip("/"):
             raise ConfigError(
                 f"the node-local root and the persistent root are the same ({local.display()}): "
@@ -121,6 +116,8 @@ class TierSet:
         self._persisting_name: str | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._floor_known = False
+        self._latest: Manifest | None = None  # the newest local commit
+        self._persisted_name: str | None = None  # the newest persisted one
         self.replica_failures = 0
 
     # ------------------------------------------------------------------ training thread
@@ -135,6 +132,18 @@ class TierSet:
         persist = idle and (force or self._since_persist + 1 >= self.every)
         self._since_persist = 0 if persist else self._since_persist + 1
         return persist
+
+    def persist_latest(self, ctx: SaveContext) -> bool:
+        """Every rank, training thread, no save in flight: persist the newest local save now
+        unless it is persisted already (or being persisted), and wait for it. For the end of a
+        fit and a preemption signal when the newest step was saved by the schedule already."""
+        self.wait(ctx)
+        latest = self._latest
+        if latest is None or latest.name == self._persisted_name:
+            return False
+        self._submit(ctx, latest)
+        self.wait(ctx)
+        return True
 
     def wait(self, ctx: SaveContext) -> None:
         """Wait for the persist in flight (every rank), raising its error."""
@@ -156,8 +165,11 @@ class TierSet:
         self._persisting = self._persisting_name = None
         if name is not None and name != ctx.resumed_from:
             ctx.protected.discard(name)  # local retention may delete it from now on
-        if future is not None and not future.result():
-            self._since_persist = self.every  # skipped there: persist the next save
+        if future is not None:
+            if future.result():
+                self._persisted_name = name
+            else:
+                self._since_persist = self.every  # skipped there: persist the next save
 
     # ------------------------------------------------------------------ background writer
 
@@ -180,19 +192,24 @@ class TierSet:
         manifest, text = self._share_manifest(ctx, planned, result)
         ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
         self._replicate(ctx, manifest, text)
+        self._latest = manifest
         if persist:
-            ctx.protected.add(manifest.name)  # kept locally until it is uploaded
-            self._persisting_name = manifest.name
-            self._persisting = self._persister().submit(
-                persist_checkpoint,
-                self.persistent,
-                local=ctx.storage,
-                manifest=manifest,
-                rank=ctx.coordinator.rank,
-                timeout_s=self.timeout.total_seconds(),
-                protected=frozenset(ctx.protected),
-            )
+            self._submit(ctx, manifest)
         return result
+
+    def _submit(self, ctx: SaveContext, manifest: Manifest) -> None:
+        """Hand the persist of ``manifest`` to the persister thread."""
+        ctx.protected.add(manifest.name)  # kept locally until it is uploaded
+        self._persisting_name = manifest.name
+        self._persisting = self._persister().submit(
+            persist_checkpoint,
+            self.persistent,
+            local=ctx.storage,
+            manifest=manifest,
+            rank=ctx.coordinator.rank,
+            timeout_s=self.timeout.total_seconds(),
+            protected=frozenset(ctx.protected),
+        )
 
     def _share_manifest(
         self, ctx: SaveContext, planned: PlannedSave, result: SaveResult
