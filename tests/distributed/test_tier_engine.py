@@ -18,7 +18,11 @@ NODES = ["a", "b"]
 
 
 def names(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir() if p.name.startswith("step_")) if path.exists() else []
+    return (
+        sorted(p.name for p in path.iterdir() if p.name.startswith("step_"))
+        if path.exists()
+        else []
+    )
 
 
 def files(path: Path) -> list[str]:
@@ -28,7 +32,9 @@ def files(path: Path) -> list[str]:
 def test_every_node_commits_each_save_with_the_other_nodes_replicas_and_recovers_locally(
     tmp_path,
 ) -> None:
-    out = run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2, 3, 4], persist_every_n_saves=3)
+    out = run_distributed(
+        save_steps, 2, str(tmp_path), NODES, [1, 2, 3, 4], persist_every_n_saves=3
+    )
     assert [o["replica_failures"] for o in out] == [0, 0]
     persistent = tmp_path / "persistent"
     # saves 3 (the 3rd) and 4 (forced: the last) persisted; retention keeps 2 per node
@@ -57,7 +63,9 @@ def test_a_fresh_node_recovers_from_the_replicas_and_both_lost_from_the_persiste
     shutil.rmtree(tmp_path / "local_b")
     got = run_distributed(load_latest, 2, str(tmp_path), NODES)
     assert [g["recovery"]["tier"] for g in got] == ["local", "peer"]
-    assert got[1]["recovery"]["bytes"]["persistent"] == 0 and got[1]["recovery"]["bytes"]["peer"] > 0
+    assert (
+        got[1]["recovery"]["bytes"]["persistent"] == 0 and got[1]["recovery"]["bytes"]["peer"] > 0
+    )
     assert [g["mine"] for g in got] == [300, 301]
     # both nodes lost: the persistent tier
     shutil.rmtree(tmp_path / "local_a")

@@ -49,6 +49,7 @@ def fit(
         resumed_from=trainer.ckpt_path,
         resume_cost=dataclasses.asdict(checkpoint.resume_cost) if checkpoint.resume_cost else None,
         preempted_by=checkpoint.preempted_by,
+        recovery=checkpoint.recovery,
     )
     return out
 

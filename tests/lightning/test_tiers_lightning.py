@@ -1,0 +1,67 @@
+"""DistributedCheckpoint with a node-local tier (local_dirpath) on 2 CPU processes of one
+node: saves commit locally, every k-th is persisted, a resume reads the fastest tier and is
+bitwise the uninterrupted run. Several nodes: tests/elastic/test_tiers_torchrun.py."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic import DistributedCheckpoint
+from lightning_elastic.errors import ConfigError
+from lightning_elastic.testing.spawn import run_distributed
+from tests.lightning import workers
+from tests.lightning.test_lightning import MAX_STEPS, assert_same_tail
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def steps(root: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[1]) for p in root.glob("step_*/manifest.json"))
+
+
+def test_a_killed_run_resumes_from_the_local_tier_then_from_the_persistent_one(tmp_path) -> None:
+    tiers = {"local_dirpath": str(tmp_path / "local"), "persist_every_n_saves": 2}
+    reference = run_distributed(workers.fit, 2, str(tmp_path / "ref"), MAX_STEPS)
+    run = str(tmp_path / "run")
+    run_distributed(workers.fit, 2, run, MAX_STEPS, 13, may_die={0, 1}, **tiers)
+    # saves at 5 and 10 committed locally; the 2nd save (10) was persisted
+    assert steps(tmp_path / "local") == [5, 10]
+    assert steps(tmp_path / "run" / "ckpts") == [10]
+    resumed = run_distributed(workers.fit, 2, run, MAX_STEPS, **tiers)
+    for rank in range(2):
+        rec = resumed[rank]["recovery"]
+        assert rec["checkpoint"] == "step_000000010" and rec["tier"] == "local"
+        assert rec["bytes"]["persistent"] == rec["bytes"]["peer"] == 0 < rec["bytes"]["local"]
+        assert_same_tail(reference[rank], resumed[rank], 10)
+    # the end of the fit is persisted (step 20), the local tier keeps 2 (+ the resumed one)
+    assert steps(tmp_path / "run" / "ckpts") == [10, 20]
+    assert steps(tmp_path / "local") == [10, 15, 20]
+    # the node is lost: the persistent tier, from its newest (the end of the fit)
+    shutil.rmtree(tmp_path / "local")
+    again = run_distributed(workers.fit, 2, run, MAX_STEPS + 5, **tiers)
+    assert [r["recovery"]["tier"] for r in again] == ["persistent", "persistent"]
+    assert again[0]["recovery"]["checkpoint"] == "step_000000020"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replicas": 1}, "need local_dirpath"),
+        ({"local_dirpath": "/tmp/x", "replicas": -1}, "replicas must be an integer >= 0"),
+        ({"local_dirpath": "/tmp/x", "persist_every_n_saves": 0}, "persist_every_n_saves"),
+        ({"local_dirpath": "/tmp/x", "local_keep": 1.5}, "local_keep"),
+        ({"local_dirpath": "/tmp/x", "node": "a/b"}, "node must be"),
+        ({"local_dirpath": 3}, "local_dirpath must be a path"),
+    ],
+)
+def test_tier_options_are_validated_at_construction(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DistributedCheckpoint("/tmp/ckpts", **kwargs)
+
+
+def test_the_local_root_cannot_be_the_persistent_root(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="same"):
+        workers.fit(
+            str(tmp_path), 4, strategy="auto", devices=1, local_dirpath=str(tmp_path / "ckpts")
+        )
