@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 import warnings
 from collections import deque
@@ -41,6 +40,7 @@ from lightning_elastic.core.policy.cadence import (
     mtbf_from_history,
     slowdown,
 )
+from lightning_elastic.core.tiers.layout import node_name
 from lightning_elastic.errors import ConfigError, Phase, StragglerWarning
 
 if TYPE_CHECKING:
@@ -54,14 +54,7 @@ __all__ = ["HealthMonitor", "Resumed", "failure_phase", "node_name", "process_st
 log = logging.getLogger(__name__)
 
 _P = "lightning_elastic_"
-NODE_ENV = "LIGHTNING_ELASTIC_NODE"
 _MAX_HOSTS = 64  # node names kept in a start event (with their count)
-
-
-def node_name() -> str:
-    """This process's node: ``$LIGHTNING_ELASTIC_NODE`` when set (several "nodes" on one
-    machine in tests, or a scheduler's node id), else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 class HealthMonitor:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_elastic.testing.spawn import run_distributed
-from tests.distributed.tier_engine_workers import load_latest, save_steps
+from tests.distributed.tier_engine_workers import load_latest, persist_fails, save_steps
 
 pytestmark = pytest.mark.timeout(180)
 NODES = ["a", "b"]
@@ -127,3 +127,12 @@ def test_without_replicas_a_lost_node_is_recovered_from_the_persistent_tier(tmp_
     a, b = (g["recovery"]["bytes"] for g in got)
     assert [g["recovery"]["tier"] for g in got] == ["persistent", "persistent"]
     assert a["persistent"] == b["persistent"] > 0 and b["peer"] == a["local"] > 0
+
+
+def test_a_failed_persist_surfaces_on_every_rank_and_leaves_nothing_partial(tmp_path) -> None:
+    out = run_distributed(persist_fails, 2, str(tmp_path), NODES)
+    for o in out:
+        assert o["error"].startswith("CheckpointSaveError") and "rank(s) 1" in o["error"]
+    # nothing partial was published on the persistent tier; the local tier kept committing
+    assert not list((tmp_path / "persistent").glob("step_*/manifest.json"))
+    assert names(tmp_path / "local_a") == ["step_000000001", "step_000000003"]

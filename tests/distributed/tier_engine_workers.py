@@ -6,6 +6,7 @@ persistent root ``<root>/persistent``."""
 from __future__ import annotations
 
 import os
+from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
@@ -74,3 +75,34 @@ def load_latest(
             "mine": float(state["mine"][0]) if per_rank else None,
             "rank_state": result.rank_state,
         }
+
+
+def persist_fails(root: str, nodes: list[str]) -> dict[str, Any]:
+    """Persists fail on rank 1 (ENOSPC on its shard upload): the error surfaces at the next save
+    on every rank; the local tier keeps committing."""
+    import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
+    from lightning_elastic.testing.faults import Fault
+
+    rank = dist.get_rank()
+    node = nodes[rank]
+    faults = [Fault("write", "*.distcp", "ENOSPC", times=0, ranks=(1,))]
+    out: dict[str, Any] = {}
+    with CheckpointEngine(
+        "faulty://" + os.path.join(root, "persistent"),
+        storage_options={"faults": faults},
+        local_root=local_root(root, node),
+        node=node,
+        timeout=timedelta(seconds=30),
+    ) as eng:
+        eng.save(state_of(1, rank), step=1, blocking=True)  # committed locally
+        futures.wait([eng._tiers._persisting])  # type: ignore[union-attr,list-item]
+        try:
+            eng.save(state_of(2, rank), step=2)
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        eng.save(state_of(3, rank), step=3, persist=False)
+        try:
+            eng.wait()
+        except Exception as exc:
+            out["wait_error"] = type(exc).__name__
+    return out
