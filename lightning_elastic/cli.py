@@ -4,6 +4,8 @@ a run; ``run`` launches training like torchrun (see :mod:`lightning_elastic.laun
 Works on local paths and fsspec URLs (``-o key=value`` passes storage options, e.g.
 ``-o endpoint_url=http://127.0.0.1:9000``). Every verb takes ``--json``: then everything it
 prints on stdout is JSON, errors included (``{"error": "...", "exit_code": N}``).
+Multi-tier runs: ``ls DIR --local PATH`` (one per node's local root) adds the tiers holding
+each checkpoint (``ls --help`` explains the notation).
 
 What is checked: ``ls``, ``inspect`` and ``prune`` read the manifests and compare the file
 sizes they record with one listing per checkpoint (``--check none|size|full`` for ``ls`` and
@@ -49,7 +51,7 @@ from lightning_elastic.core.format.catalog import (
     holds_checkpoint_files,
 )
 from lightning_elastic.core.format.integrity import Problem, verify_files
-from lightning_elastic.core.format.manifest import MANIFEST_FILE
+from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
 from lightning_elastic.core.policy.housekeeping import (
     DEFAULT_GRACE_S,
     collect_garbage,
@@ -57,6 +59,9 @@ from lightning_elastic.core.policy.housekeeping import (
 )
 from lightning_elastic.core.policy.retention import KeepEveryNSteps, KeepLastN, plan_deletions
 from lightning_elastic.core.storage.base import Entry, Storage
+from lightning_elastic.core.tiers.inventory import NodeScan, scan_node
+from lightning_elastic.core.tiers.recovery import CheckpointCandidate
+from lightning_elastic.core.tiers.survey import NOTATION, TierView, survey
 from lightning_elastic.errors import (
     CheckpointNotFoundError,
     ElasticCheckpointError,
@@ -183,6 +188,15 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verb("ls", "list the checkpoints under a directory", check="size")
     p.add_argument("path", help="checkpoint root directory or URL")
+    p.add_argument(
+        "--local",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="one node's local checkpoint root (repeatable, one per node): adds a TIERS "
+        "column and lists the checkpoints only the nodes hold too (STATUS local-only)",
+    )
+    p.epilog, p.formatter_class = NOTATION, argparse.RawDescriptionHelpFormatter
     p.set_defaults(func=_ls)
     p = verb("inspect", "show one checkpoint's manifest", check="size")
     p.add_argument("path", help="checkpoint directory or URL")
@@ -522,8 +536,11 @@ def _ls(args: argparse.Namespace) -> int:
             f"`lightning-elastic inspect {args.path}` (or `lightning-elastic ls "
             f"{_parent(args.path)}`)"
         )
+    nodes = _open_nodes(args)  # before any manifest is read: a wrong path fails at once
     rows = _check_all(args, storage, _scan(storage, entries), args.check)
-    if args.json:
+    if nodes:
+        _ls_tiers(args, rows, nodes)
+    elif args.json:
         print(json.dumps([r.to_json() for r in rows], indent=1))
     elif not entries:
         print(f"{args.path} is empty: no checkpoints")
@@ -536,6 +553,102 @@ def _ls(args: argparse.Namespace) -> int:
                 print(f"  {r.info.name}: {r.problem}")
         print(_what_was_checked(args.check, args.path))
     return EXIT_OK
+
+
+def _open_nodes(args: argparse.Namespace) -> list[Storage]:
+    """The ``--local`` roots, or a :class:`CliError` saying which one is not a node's root."""
+    nodes: list[Storage] = []
+    seen: set[str] = set()
+    for path in args.local:
+        local = _local_path(path)
+        key = os.path.normpath(local) if local is not None else path.rstrip("/")
+        if key in seen:
+            raise CliError(f"--local {path} is given twice (one --local per node)")
+        seen.add(key)
+        try:
+            storage, entries = _open(args, path)
+        except CliError as exc:
+            raise CliError(f"--local {exc}", exc.code) from None
+        if _is_checkpoint_dir(entries):
+            raise CliError(
+                f"--local {path} is a checkpoint, not a node's local root: pass its parent, "
+                f"`--local {_parent(path)}`"
+            )
+        nodes.append(storage)
+    return nodes
+
+
+_LOCAL_ONLY = "local-only"  # the STATUS of a checkpoint that only node-local roots hold
+
+
+def _ls_tiers(args: argparse.Namespace, rows: list[_Row], nodes: list[Storage]) -> None:
+    """``ls`` with ``--local``: the union of the checkpoints of DIR and of the node-local
+    roots, each with the tiers that hold it (:mod:`lightning_elastic.core.tiers.survey`)."""
+    scans = [scan_node(node) for node in nodes]
+    persistent = [  # only a valid copy is a tier (and a sane manifest: _insane passed)
+        CheckpointCandidate(r.info.name, r.info.sort_key(), _files(r.info.name, m), persisted=True)
+        for r in rows
+        if r.status == VALID.value and (m := r.info.manifest) is not None
+    ]
+    in_dir = {r.info.name: r for r in rows}
+    views = survey(scans, persistent, labels=[*args.local, args.path], names=in_dir)
+    listed = []
+    for name, view in views.items():
+        row = in_dir.get(name) or _local_row(nodes, scans, name)
+        if row is not None:
+            listed.append((row, view))
+    listed.sort(key=lambda rv: _order(rv[0].info))
+    if args.json:
+        body = [{**r.to_json(), "tiers": _tiers_json(v, args.local)} for r, v in listed]
+        print(json.dumps(body, indent=1))
+        return
+    if not listed:
+        print(f"no checkpoints in {args.path} or the {len(nodes)} node-local root(s)")
+        return
+    print(_table([[*_row(r), v.notation] for r, v in listed], [*_HEADER, "TIERS"]))
+    for r, v in listed:
+        if r.problem and r.status not in (VALID.value, _LOCAL_ONLY):
+            print(f"  {r.info.name}: {r.problem}")
+        if v.conflict is not None:
+            print(f"  {r.info.name}: conflict: {v.conflict}")
+        elif v.missing:
+            more = f" (first: {v.missing[0]})"
+            print(f"  {r.info.name}: no node holds {len(v.missing)} of its file(s){more}")
+    print(_what_was_checked(args.check, args.path))
+    print(
+        f"tiers: {len(nodes)} node-local root(s), their files compared by size "
+        "(TIERS: see `lightning-elastic ls --help`)"
+    )
+
+
+def _files(name: str, manifest: Manifest) -> dict[str, int]:
+    """Every file of ``manifest`` by path relative to the root, as the scans key them."""
+    return {f"{name}/{f.path}": f.size for f in manifest.files}
+
+
+def _local_row(nodes: list[Storage], scans: list[NodeScan], name: str) -> _Row | None:
+    """The row of a checkpoint that DIR lacks, from the first node with a valid manifest."""
+    for node, scan in zip(nodes, scans, strict=True):
+        if name in scan.checkpoints:
+            info = _info(Catalog(node), name)
+            if info is not None and info.status == VALID:
+                return _Row(info, _LOCAL_ONLY, None, "size")
+    return None  # gone since the scan
+
+
+def _tiers_json(view: TierView, paths: list[str]) -> dict[str, Any]:
+    nodes = {
+        path: {"held_bytes": s.held_bytes, "total_bytes": s.total_bytes, "complete": s.complete}
+        for path, s in zip(paths, view.nodes, strict=True)
+    }
+    return {
+        "persistent": view.persistent,
+        "nodes": nodes,
+        "recoverable_from_nodes": view.recoverable_from_nodes,
+        "notation": view.notation,
+        "conflict": view.conflict,
+        "missing_files": len(view.missing),
+    }
 
 
 def _what_was_checked(mode: str, path: str) -> str:

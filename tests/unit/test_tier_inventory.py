@@ -181,6 +181,8 @@ def test_nodes_disagreeing_on_a_manifest_drop_that_checkpoint_only(source, tmp_p
     assert [c.name for c in candidates] == [OLD]
     reason = candidate_conflicts(scans)[NEW]
     assert "scans 0 and 1 disagree" in reason
+    named = candidate_conflicts(scans, labels=[str(a), str(b)])[NEW]
+    assert named == reason.replace("scans 0 and 1", f"{a} and {b}")
     assert ("commit order" in reason) == (what == "order")
     assert NEW in caplog.text and reason in caplog.text
     nodes = [holdings(scans[0], node="a", ranks=[0]), holdings(scans[1], node="b", ranks=[1])]

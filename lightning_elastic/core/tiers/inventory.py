@@ -151,9 +151,14 @@ def holdings(scan: NodeScan, *, node: str, ranks: Sequence[int]) -> NodeHoldings
     return NodeHoldings(node, tuple(ranks), scan.checkpoints)
 
 
-def candidate_conflicts(scans: Sequence[NodeScan]) -> dict[str, str]:
+def candidate_conflicts(
+    scans: Sequence[NodeScan], *, labels: Sequence[str] | None = None
+) -> dict[str, str]:
     """Checkpoint name -> why the scans disagree on it (commit order or files), for every
-    checkpoint two scans describe differently. Scans are named by their index in ``scans``."""
+    checkpoint two scans describe differently. Scans are named by their index in ``scans``, or
+    by ``labels[i]`` when given (one per scan: a node's root, for a user)."""
+    if labels is not None and len(labels) != len(scans):
+        raise ValueError(f"{len(labels)} labels for {len(scans)} scans")
     first: dict[str, tuple[int, CheckpointCandidate]] = {}
     conflicts: dict[str, str] = {}
     for i, scan in enumerate(scans):
@@ -163,7 +168,8 @@ def candidate_conflicts(scans: Sequence[NodeScan]) -> dict[str, str]:
                 continue
             why = _disagreement(seen[1], cand)
             if why:
-                conflicts[cand.name] = f"scans {seen[0]} and {i} disagree: {why}"
+                a, b = (labels[seen[0]], labels[i]) if labels else (f"scans {seen[0]}", str(i))
+                conflicts[cand.name] = f"{a} and {b} disagree: {why}"
     return conflicts
 
 
