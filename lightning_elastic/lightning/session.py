@@ -390,6 +390,10 @@ class ElasticSession:
         word when there is nothing left to train."""
         manifest, trainer = result.manifest, self.trainer
         age = max(0.0, time.time() - float(manifest.created_unix or 0.0))
+        where = engine.storage.display()
+        tiers = engine.last_recovery
+        if tiers is not None:  # multi-tier: the union of the nodes' local roots and dirpath
+            where = f"{where} or the node-local roots (this node's copy came from {tiers.tier})"
         log.warning(
             "resume='auto': continuing run %r from %s (step %d, epoch %d, written %s ago by %d "
             "process(es), now %d): it is the newest valid checkpoint%s in %s. Pass "
@@ -402,7 +406,7 @@ class ElasticSession:
             saved_world,
             world,
             " of this run_name" if self.named_run else "",
-            engine.storage.display(),
+            where,
         )
         max_steps = trainer.max_steps
         max_epochs = trainer.max_epochs

@@ -136,3 +136,17 @@ def test_a_failed_persist_surfaces_on_every_rank_and_leaves_nothing_partial(tmp_
     # nothing partial was published on the persistent tier; the local tier kept committing
     assert not list((tmp_path / "persistent").glob("step_*/manifest.json"))
     assert names(tmp_path / "local_a") == ["step_000000001", "step_000000003"]
+
+
+def test_restarts_more_often_than_the_persist_cadence_still_move_the_persistent_tier(
+    tmp_path,
+) -> None:
+    every = {"persist_every_n_saves": 3, "persist_last": False, "settle": True}
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [1, 2], **every)
+    assert names(tmp_path / "persistent") == []  # two saves of three: nothing persisted yet
+    # a restart resumes from step 2, which only the nodes hold: its first save is persisted
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [3, 4], resume=True, **every)
+    assert names(tmp_path / "persistent") == ["step_000000003"]
+    # resumed from step 4 (not persisted either): step 5 is persisted, then every third
+    run_distributed(save_steps, 2, str(tmp_path), NODES, [5, 6, 7, 8], resume=True, **every)
+    assert names(tmp_path / "persistent") == ["step_000000003", "step_000000005", "step_000000008"]

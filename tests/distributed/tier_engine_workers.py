@@ -41,18 +41,30 @@ def state_of(step: int, rank: int, per_rank: bool = True) -> dict[str, Any]:
 
 
 def save_steps(
-    root: str, nodes: list[str], steps: list[int], per_rank: bool = True, **options: Any
+    root: str,
+    nodes: list[str],
+    steps: list[int],
+    per_rank: bool = True,
+    persist_last: bool = True,
+    resume: bool = False,
+    settle: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Save ``steps`` (the last one persisted) and return what this rank saw."""
+    """Save ``steps`` (the last one persisted unless ``persist_last=False``; after recovering
+    with ``resume``) and return what this rank saw."""
     rank = dist.get_rank()
     with engine(root, nodes, **options) as eng:
+        if resume:
+            eng.load(state_of(0, rank, per_rank))
         for step in steps:
             eng.save(
                 state_of(step, rank, per_rank),
                 step=step,
                 rank_state={"rank": rank, "step": step},
-                persist=step == steps[-1],
+                persist=persist_last and step == steps[-1],
             )
+            if settle:  # the save and its persist are done: which saves persist is certain
+                eng.wait()
         eng.wait()
         return {"replica_failures": eng._tiers.replica_failures}  # type: ignore[union-attr]
 

@@ -137,6 +137,7 @@ def recover(
             tiers, ctx, state, name, text, strict, trusted, per_rank_rules, targets
         )
         record = _record(tiers, ctx, info, plan, time.monotonic() - start)
+        tiers.resumed(persisted=_persisted(surveys, name))
         return info, result, record
     raise _error(
         ctx,
@@ -150,6 +151,12 @@ def _error(ctx: SaveContext, what: str, message: str) -> CheckpointLoadError:
     """The error every rank raises (each with the same message) for a failed recovery."""
     failure = RankFailure(ctx.coordinator.rank, Phase.LOAD, "RecoveryError", message)
     return CheckpointLoadError(what, [failure])
+
+
+def _persisted(surveys: Sequence[_Survey], name: str) -> bool:
+    """Whether the recovered checkpoint is also the persistent tier's newest."""
+    newest = surveys[0].persistent
+    return newest is not None and newest.name == name
 
 
 def _survey(
@@ -407,7 +414,9 @@ def _record(
     record = Recovery(
         info.name, info.step, tier, plan.tier, tiers.node, by_source, seconds, dict(plan.skipped)
     )
-    log.info(
+    # a warning so every rank's line shows without logging configured (torchrun's workers):
+    # which tier a restart read is what an operator looks for first
+    log.warning(
         "rank %d on node %s recovered %s from %s: local %d B, peer %d B, persistent %d B (%.2f s)",
         ctx.coordinator.rank,
         tiers.node,

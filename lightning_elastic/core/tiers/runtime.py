@@ -133,6 +133,12 @@ class TierSet:
         self._since_persist = 0 if persist else self._since_persist + 1
         return persist
 
+    def resumed(self, *, persisted: bool) -> None:
+        """After a recovery (every rank): a run resumed from a checkpoint the persistent tier
+        does not hold persists its first save, so restarts that come more often than
+        ``persist_every_n_saves`` saves cannot keep the persistent tier from moving on."""
+        self._since_persist = 0 if persisted else self.every - 1
+
     def persist_latest(self, ctx: SaveContext) -> bool:
         """Every rank, training thread, no save in flight: persist the newest local save now
         unless it is persisted already (or being persisted), and wait for it. For the end of a
