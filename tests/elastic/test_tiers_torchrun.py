@@ -6,16 +6,17 @@ Cost: the faults run as one chain in one run directory (each resume is checked o
 incarnation, and every step any incarnation trains is compared with the reference), so the
 module is 7 worker-group starts: the reference and six incarnations of the chain.
 
-The chain (saves every 2 steps, every 3rd save of an incarnation persisted, local_keep=2):
+The chain (saves every 2 steps, every 3rd save persisted, and the first save after resuming
+from a checkpoint the persistent tier lacks; local_keep=2):
 
 ====  ==============================================  ==============================
 step  fault                                           resume expected
 ====  ==============================================  ==============================
 5     (a) node b's worker exits (restart 0)           step 4, local on both nodes
 9     (b) node b's agent killed, its local dir wiped  step 8, b from a's replicas
-17    (c) both agents killed, both local dirs wiped   the newest persisted (14)
+15    (c) both agents killed, both local dirs wiped   the newest persisted (10)
 19    (d) the local dirs are copied (newest: 18) ...
-23    ... both killed, the old local dirs put back    the newer persisted one (20)
+23    ... both killed, the old local dirs put back    the newer persisted one (22)
 25    (e) both killed, a shard in a's newest flipped  step 24, a's file from b
 ====  ==============================================  ==============================
 
@@ -46,7 +47,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "elastic" / "scripts" / "tier_train.py"
 N = 30
-CRASH, LOSE_B, LOSE_BOTH, SNAPSHOT, OLD_LOCAL, CORRUPT = 5, 9, 17, 19, 23, 25
+CRASH, LOSE_B, LOSE_BOTH, SNAPSHOT, OLD_LOCAL, CORRUPT = 5, 9, 15, 19, 23, 25
 PAUSES = (LOSE_B, LOSE_BOTH, SNAPSHOT, OLD_LOCAL, CORRUPT)
 WAIT_S = 120
 
