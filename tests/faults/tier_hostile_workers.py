@@ -5,6 +5,7 @@ root ``<root>/persistent`` (unless given). ``tag`` marks which branch a state ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -98,10 +99,8 @@ def persistent_full(root: str, nodes: list[str], steps: int) -> list[int]:
             except Exception:
                 pass
             time.sleep(0.3)  # let the persist finish
-        try:
+        with contextlib.suppress(Exception):
             eng.wait()
-        except Exception:
-            pass
     return committed
 
 
