@@ -129,13 +129,14 @@ def test_without_replicas_a_lost_node_is_recovered_from_the_persistent_tier(tmp_
     assert a["persistent"] == b["persistent"] > 0 and b["peer"] == a["local"] > 0
 
 
-def test_a_failed_persist_surfaces_on_every_rank_and_leaves_nothing_partial(tmp_path) -> None:
+def test_a_failing_persistent_tier_never_stops_local_commits_and_wait_raises(tmp_path) -> None:
     out = run_distributed(persist_fails, 2, str(tmp_path), NODES)
     for o in out:
-        assert o["error"].startswith("CheckpointSaveError") and "rank(s) 1" in o["error"]
+        assert o["wait_error"].startswith("CheckpointSaveError") and "rank(s) 1" in o["wait_error"]
+        assert o["persist_failures"] >= 2  # each save retried the persist
     # nothing partial was published on the persistent tier; the local tier kept committing
     assert not list((tmp_path / "persistent").glob("step_*/manifest.json"))
-    assert names(tmp_path / "local_a") == ["step_000000001", "step_000000003"]
+    assert names(tmp_path / "local_a")[-1] == "step_000000003"
 
 
 def test_restarts_more_often_than_the_persist_cadence_still_move_the_persistent_tier(

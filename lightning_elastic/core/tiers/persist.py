@@ -102,7 +102,9 @@ def persist_checkpoint(
         if skip:
             log.warning("not persisting %s: %s; the next save is persisted instead", what, skip)
             return False
-        report = _upload(tier.storage.child(name), local.child(name), manifest, rank, claim_error)
+        report = _upload(
+            tier.storage.child(name), local.child(name), manifest, rank, ch.world_size, claim_error
+        )
         ch.report(save_id, report)
         if rank == 0:
             decision = _commit(tier, manifest, deadline, protected)
@@ -131,11 +133,18 @@ def _claim(tier: PersistentTier, manifest: Manifest) -> str:
 
 
 def _upload(
-    dst: Storage, src: Storage, manifest: Manifest, rank: int, claim_error: Exception | None
+    dst: Storage,
+    src: Storage,
+    manifest: Manifest,
+    rank: int,
+    world_size: int,
+    claim_error: Exception | None,
 ) -> dict[str, object]:
     """Copy this rank's files of ``manifest`` from ``src`` to ``dst``, each checked against
     the manifest; the report for rank 0. A file that failed is removed from ``dst``."""
-    mine = [f for f in manifest.files if f.rank == rank or (f.rank is None and rank == 0)]
+    # each rank its own shard; after a recovery at another world size (every node then holds
+    # every file) saved rank r's by rank r % world size
+    mine = [f for f in manifest.files if (f.rank or 0) % world_size == rank]
     current = ""
     try:
         if claim_error is not None:

@@ -137,7 +137,8 @@ def recover(
             tiers, ctx, state, name, text, strict, trusted, per_rank_rules, targets
         )
         record = _record(tiers, ctx, info, plan, time.monotonic() - start)
-        tiers.resumed(persisted=_persisted(surveys, name))
+        assert info.manifest is not None
+        tiers.resumed(info.manifest, persisted=_persisted(surveys, name))
         return info, result, record
     raise _error(
         ctx,

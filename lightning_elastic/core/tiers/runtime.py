@@ -118,30 +118,44 @@ class TierSet:
         self._floor_known = False
         self._latest: Manifest | None = None  # the newest local commit
         self._persisted_name: str | None = None  # the newest persisted one
+        self._persist_error: Exception | None = None  # of the newest persist attempt
+        self._group_broken = False  # a transfer timed out: the group needs replacing
         self.replica_failures = 0
+        self.persist_failures = 0
 
     # ------------------------------------------------------------------ training thread
 
     def decide(self, ctx: SaveContext, force: bool) -> bool:
-        """Every rank, before planning a save: whether it is persisted (module docstring)."""
+        """Every rank, before planning a save: whether it is persisted (module docstring).
+        Never raises a failed persist's error: the local save goes ahead and the next save
+        persists again (the error is logged on every rank and raised by :meth:`wait`)."""
         running = self._persisting
-        idle = self.coordinator.all(running is None or running.done(), Phase.SAVE_DECIDE)
+        busy, broken = self.coordinator.max_ints(
+            [0 if running is None or running.done() else 1, 1 if self._group_broken else 0],
+            Phase.SAVE_DECIDE,
+        )
+        if broken:
+            self._rebuild_group()
+        idle = not busy
         if running is not None and (idle or force):
-            self._finished(ctx)  # waits (forced); raises a failed persist's error, everywhere
+            self._finished(ctx)  # waits when forced
             idle = True
         persist = idle and (force or self._since_persist + 1 >= self.every)
         self._since_persist = 0 if persist else self._since_persist + 1
         return persist
 
-    def resumed(self, *, persisted: bool) -> None:
+    def resumed(self, manifest: Manifest, *, persisted: bool) -> None:
         """After a recovery (every rank): a run resumed from a checkpoint the persistent tier
-        does not hold persists its first save, so restarts that come more often than
-        ``persist_every_n_saves`` saves cannot keep the persistent tier from moving on."""
+        does not hold persists its first save (restarts that come more often than
+        ``persist_every_n_saves`` saves cannot keep the persistent tier from moving on), and
+        :meth:`persist_latest` persists the recovered checkpoint itself."""
         self._since_persist = 0 if persisted else self.every - 1
+        self._latest = manifest
+        self._persisted_name = manifest.name if persisted else None
 
     def persist_latest(self, ctx: SaveContext) -> bool:
         """Every rank, training thread, no save in flight: persist the newest local save now
-        unless it is persisted already (or being persisted), and wait for it. For the end of a
+        unless it is persisted already, and wait for it, raising its error. For the end of a
         fit and a preemption signal when the newest step was saved by the schedule already."""
         self.wait(ctx)
         latest = self._latest
@@ -152,9 +166,23 @@ class TierSet:
         return True
 
     def wait(self, ctx: SaveContext) -> None:
-        """Wait for the persist in flight (every rank), raising its error."""
+        """Wait for the persist in flight (every rank); raise the error of the newest persist
+        attempt when it failed (once)."""
         if self._persisting is not None:
             self._finished(ctx)
+        error, self._persist_error = self._persist_error, None
+        if error is not None:
+            raise error
+
+    def _rebuild_group(self) -> None:
+        """Every rank, training thread: a replica transfer timed out somewhere, which leaves a
+        gloo group unusable; replace it (collective, like at construction)."""
+        log.warning("replacing the replica group after a failed transfer")
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self._group_broken = False
 
     def close(self) -> None:
         """Release the persister thread and the tier group (after :meth:`wait`)."""
@@ -167,15 +195,27 @@ class TierSet:
         self.group = None
 
     def _finished(self, ctx: SaveContext) -> None:
+        """Collect the persist in flight (waiting for it). A failure is logged and kept for
+        :meth:`wait`; the next save persists again."""
         future, name = self._persisting, self._persisting_name
         self._persisting = self._persisting_name = None
         if name is not None and name != ctx.resumed_from:
             ctx.protected.discard(name)  # local retention may delete it from now on
-        if future is not None:
-            if future.result():
-                self._persisted_name = name
-            else:
-                self._since_persist = self.every  # skipped there: persist the next save
+        if future is None:
+            return
+        try:
+            done = future.result()
+        except Exception as exc:
+            self.persist_failures += 1
+            self._persist_error = exc
+            self._since_persist = self.every  # retry with the next save
+            log.error("persisting %s failed; the next save persists again: %s", name, exc)
+            return
+        self._persist_error = None
+        if done:
+            self._persisted_name = name
+        else:
+            self._since_persist = self.every  # skipped there: persist the next save
 
     # ------------------------------------------------------------------ background writer
 
@@ -252,6 +292,8 @@ class TierSet:
                 )
             except TransferError as exc:
                 self.replica_failures += 1
+                if any(f.kind == "communication" for f in exc.failures):
+                    self._group_broken = True  # replaced at the next save (all ranks agree)
                 log.warning("replicas of %s are incomplete: %s", manifest.name, exc)
         if rank == 0 or not self.layout.is_lead(rank):
             return  # rank 0 committed into its node's root itself
