@@ -29,6 +29,8 @@ and the replicas it received; a missing file there is normal (never "corrupt").
 from __future__ import annotations
 
 import contextlib
+import os
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -47,10 +49,10 @@ from lightning_elastic.core.save.pipeline import finish_save
 from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.core.tiers.layout import NodeLayout, node_name
+from lightning_elastic.core.tiers.layout import NODE_ENV, NodeLayout, node_name
 from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
-from lightning_elastic.errors import CheckpointExistsError, ConfigError, Phase
+from lightning_elastic.errors import CheckpointExistsError, ConfigError, DistributedFailure, Phase
 
 __all__ = ["TIER_ROOT_KEY", "TierSet"]
 
@@ -59,6 +61,16 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 #: manifest metadata: the persistent root a node-local checkpoint belongs to (a local root
 #: reused by another job, or by this job with another persistent root, is not recovered from)
 TIER_ROOT_KEY = "tier_persistent_root"
+
+
+def _overlap(a: Storage, b: Storage) -> bool:
+    """Whether two roots are one directory (however spelled) or one lies inside the other."""
+    if a.is_local != b.is_local or (
+        not a.is_local and a.url.split("://")[0] != b.url.split("://")[0]
+    ):
+        return False
+    pa, pb = (os.path.realpath(s.root) if s.is_local else s.root.rstrip("/") for s in (a, b))
+    return pa == pb or pa.startswith(pb.rstrip("/") + "/") or pb.startswith(pa.rstrip("/") + "/")
 
 
 class TierSet:
@@ -79,16 +91,18 @@ class TierSet:
     ) -> None:
         self.every = check_count(persist_every_n_saves, "persist_every_n_saves")
         self.replicas = check_count(replicas, "replicas", minimum=0)
-        if local.display().rstrip("/") == persistent.display().rstrip("/"):
+        if _overlap(local, persistent):
             raise ConfigError(
-                f"the node-local root and the persistent root are the same ({local.display()}): "
-                "give local_dirpath a node-local directory (/dev/shm/..., a local disk)"
+                f"the node-local root {local.display()} and the persistent root "
+                f"{persistent.display()} are the same directory or one holds the other: give "
+                "local_dirpath a node-local directory of its own (/dev/shm/..., a local disk)"
             )
         coord = self.coordinator = coordinator
         self.local = local
         self.timeout = timeout
         self.node = node or node_name()
         self.layout = NodeLayout.gather(coord, self.node)
+        self._check_shared_root()
         self.group: dist.ProcessGroup | None = None
         if coord.distributed:
             if dist.get_world_size() != coord.world_size:
@@ -122,6 +136,35 @@ class TierSet:
         self._group_broken = False  # a transfer timed out: the group needs replacing
         self.replica_failures = 0
         self.persist_failures = 0
+
+    def _check_shared_root(self) -> None:
+        """Construction (collective): every rank of a node must see the node's local root,
+        or its shards would pile up where no manifest and no retention ever reach (two hosts
+        with one node id: a copied ``$LIGHTNING_ELASTIC_NODE``, identical host names)."""
+        coord, local = self.coordinator, self.local
+        lead = self.layout.lead(self.node)
+        probe = f".tier-probe-{self.node}-{uuid.uuid4().hex[:12]}"
+
+        def write() -> str | None:
+            if coord.rank != lead:
+                return None
+            local.write_bytes(probe, b"", durable=False)
+            return probe
+
+        probes = coord.all_gather(Phase.INIT, write, error=DistributedFailure)
+        mine = probes[lead]
+        assert mine is not None
+        seen = coord.all_gather(Phase.INIT, lambda: local.exists(mine), error=DistributedFailure)
+        if coord.rank == lead:
+            with contextlib.suppress(Exception):
+                local.delete(mine)
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            raise ConfigError(
+                f"rank(s) {blind} report the node id of other ranks but do not see their "
+                f"node-local root ({local.display()}): give every host its own node id "
+                f"(${NODE_ENV} or distinct host names)"
+            )
 
     # ------------------------------------------------------------------ training thread
 
