@@ -251,6 +251,8 @@ def _claim(ctx: SaveContext, request: SaveRequest, record: StagingRecord) -> int
         return 0
     for attempt in range(1000):
         name = checkpoint_name(request.step, attempt)
+        if name in ctx.reserved_names:
+            continue  # multi-tier: the name is taken on another node or the persistent root
         if storage.exists(f"{name}/{MANIFEST_FILE}") or storage.exists(f"{name}/{QUARANTINE_FILE}"):
             continue
         try:

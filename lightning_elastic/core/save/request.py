@@ -52,6 +52,7 @@ class SaveContext:
     parent: str | None = None  # the checkpoint the next save continues (lineage)
     leftover_grace_s: float = 1200.0  # age after which anyone's leftovers are garbage
     sequence_floor: int = 0  # commits draw sequences above it (multi-tier: every tier's newest)
+    reserved_names: set[str] = field(default_factory=set)  # rank 0 never claims these (tiers)
 
 
 @dataclass(frozen=True)

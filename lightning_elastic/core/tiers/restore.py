@@ -26,10 +26,11 @@ Every rank logs which tier its node used and the bytes by source, and gets a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_elastic.core.forksafe import fork_safe_logger
@@ -40,7 +41,7 @@ from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED
 from lightning_elastic.core.save.request import SaveContext
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.core.tiers.inventory import NodeScan, holdings, merge_candidates, scan_node
+from lightning_elastic.core.tiers.inventory import NodeScan, holdings, scan_node
 from lightning_elastic.core.tiers.recovery import CheckpointCandidate, RecoveryPlan, plan_recovery
 from lightning_elastic.core.tiers.runtime import TIER_ROOT_KEY, TierSet
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
@@ -56,6 +57,7 @@ __all__ = ["Recovery", "recover"]
 
 log = fork_safe_logger(__name__)
 _ATTEMPTS = 6  # each retry follows a deleted corrupt copy or a quarantined checkpoint
+_PERSISTENT_CANDIDATES = 3
 _CHUNK = 16 * 2**20
 
 
@@ -83,7 +85,7 @@ class Recovery:
 class _Survey:
     node: str
     scan: NodeScan | None  # leads only
-    persistent: CheckpointCandidate | None  # rank 0 only
+    persistent: tuple[CheckpointCandidate, ...] = ()  # rank 0 only: the newest few, newest first
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ def recover(
         surveys = coord.all_gather(
             Phase.LOAD_SELECT, functools.partial(_survey, tiers, ctx, filters, frozenset(excluded))
         )
-        plan, candidates = _plan(tiers, surveys, excluded)
-        ctx.sequence_floor = max([ctx.sequence_floor, *(c.order[1] for c in candidates)])
+        choice = _plan(tiers, surveys, excluded)
+        plan = choice.plan
+        ctx.sequence_floor = max([ctx.sequence_floor, *(c.order[1] for c in choice.candidates)])
         if plan.checkpoint is None:
             raise CheckpointNotFoundError(
                 f"no valid checkpoint in {tiers.persistent.storage.display()} or the node-local "
@@ -125,7 +128,8 @@ def recover(
                 "without resuming or point to a directory holding committed checkpoints"
             )
         name = plan.checkpoint
-        text = _manifest_text(tiers, ctx, name)
+        text = _manifest_text(tiers, ctx, choice, name)
+        _drop_conflicting(tiers, ctx, choice, name)
         manifest = Manifest.from_json(text, ctx.storage.display(name))
         if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, surveys):
             continue  # a node's copy was corrupt: it holds less now
@@ -138,7 +142,7 @@ def recover(
         )
         record = _record(tiers, ctx, info, plan, time.monotonic() - start)
         assert info.manifest is not None
-        tiers.resumed(info.manifest, persisted=_persisted(surveys, name))
+        tiers.resumed(info.manifest, persisted=choice.winners[name].persisted)
         return info, result, record
     raise _error(
         ctx,
@@ -154,10 +158,19 @@ def _error(ctx: SaveContext, what: str, message: str) -> CheckpointLoadError:
     return CheckpointLoadError(what, [failure])
 
 
-def _persisted(surveys: Sequence[_Survey], name: str) -> bool:
-    """Whether the recovered checkpoint is also the persistent tier's newest."""
-    newest = surveys[0].persistent
-    return newest is not None and newest.name == name
+def _drop_conflicting(tiers: TierSet, ctx: SaveContext, choice: _Choice, name: str) -> None:
+    """A node whose copy of ``name`` is another (older) checkpoint gives that copy up: its
+    manifest goes first, then the chosen one's files and manifest arrive like on a node that
+    had none. A node-local copy is a cache; the other checkpoint lives on where it was."""
+    if name in choice.conflicted.get(tiers.node, ()) and tiers.layout.is_lead(ctx.coordinator.rank):
+        log.warning(
+            "dropping %s on node %s: it is another checkpoint than the newer %s being recovered",
+            ctx.storage.display(name),
+            tiers.node,
+            name,
+        )
+        ctx.storage.delete(f"{name}/{MANIFEST_FILE}")
+        ctx.catalog.forget(name)
 
 
 def _survey(
@@ -167,7 +180,7 @@ def _survey(
     scan = None
     if tiers.layout.is_lead(rank):
         scan = _filtered(scan_node(ctx.storage), ctx, tiers, filters, excluded)
-    persistent = None
+    persistent: tuple[CheckpointCandidate, ...] = ()
     if rank == 0:
         persistent = _persistent_newest(tiers, filters, excluded)
     return _Survey(tiers.node, scan, persistent)
@@ -204,62 +217,104 @@ def _filtered(
 
 def _persistent_newest(
     tiers: TierSet, filters: Filters, excluded: frozenset[str]
-) -> CheckpointCandidate | None:
-    """Rank 0: the newest valid checkpoint of the persistent root that recovery may choose."""
+) -> tuple[CheckpointCandidate, ...]:
+    """Rank 0: the newest valid checkpoints of the persistent root recovery may choose (a few:
+    the newest may lose to a newer node-local checkpoint of the same name)."""
+    found: list[CheckpointCandidate] = []
     for info in reversed(tiers.persistent.catalog.scan()):
         m = info.manifest
         if info.status != VALID or m is None or info.name in excluded:
             continue
         if _eligible(m, tiers, filters, local=False):
             files = {f"{info.name}/{f.path}": f.size for f in m.files}
-            return CheckpointCandidate(info.name, info.sort_key(), files, persisted=True)
-    return None
+            found.append(CheckpointCandidate(info.name, info.sort_key(), files, persisted=True))
+            if len(found) == _PERSISTENT_CANDIDATES:
+                break
+    return tuple(found)
 
 
-def _plan(
-    tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]
-) -> tuple[RecoveryPlan, list[CheckpointCandidate]]:
-    scans = [s.scan for s in surveys if s.scan is not None]
-    candidates = [c for c in merge_candidates(scans) if c.name not in excluded]
-    persistent = surveys[0].persistent
-    known = {c.name: c for c in candidates}
-    if persistent is not None:
-        same = known.get(persistent.name)
-        if same is not None and (same.order != persistent.order or same.files != persistent.files):
+@dataclass(frozen=True)
+class _Choice:
+    """The agreed plan, and the nodes whose local copy of a name is another checkpoint."""
+
+    plan: RecoveryPlan
+    candidates: tuple[CheckpointCandidate, ...]  # every variant seen (for the sequence floor)
+    winners: dict[str, CheckpointCandidate]
+    conflicted: dict[str, frozenset[str]]  # node -> names its copy of which lost
+
+
+def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Choice:
+    """Every rank, same inputs: one checkpoint per name (two different ones under one name -
+    a rollback's new branch beside an old copy, a hand-edited manifest - go by commit order,
+    the newer wins, and the copies of the other count as not held), then the plan."""
+    variants: dict[str, list[CheckpointCandidate]] = {}
+    seen: list[CheckpointCandidate] = []
+    for s in surveys:
+        for c in [*(s.scan.candidates if s.scan is not None else ()), *s.persistent]:
+            if c.name not in excluded:
+                variants.setdefault(c.name, []).append(c)
+                seen.append(c)
+    winners = {n: max(vs, key=lambda c: (c.order, c.persisted)) for n, vs in variants.items()}
+    merged = []
+    for name, win in winners.items():
+        persisted = any(c.persisted and _same(c, win) for c in variants[name])
+        merged.append(replace(win, persisted=persisted))
+    conflicted: dict[str, frozenset[str]] = {}
+    nodes = []
+    for s in surveys:
+        if s.scan is None:
+            continue
+        lost = frozenset(
+            c.name for c in s.scan.candidates if c.name in winners and not _same(c, winners[c.name])
+        )
+        conflicted[s.node] = lost
+        held = {n: files for n, files in s.scan.checkpoints.items() if n not in lost}
+        nodes.append(holdings(NodeScan(held), node=s.node, ranks=tiers.layout.ranks_of(s.node)))
+        if lost and tiers.coordinator.is_coordinator:
             log.warning(
-                "%s differs between the node-local and the persistent tier: using the "
-                "persistent copy only",
-                persistent.name,
+                "node %s holds other checkpoints under the names %s than the newer ones of "
+                "the same names elsewhere: its copies count as not held",
+                s.node,
+                sorted(lost),
             )
-            candidates = [c for c in candidates if c.name != persistent.name]
-    nodes = [
-        holdings(s.scan, node=s.node, ranks=tiers.layout.ranks_of(s.node))
-        for s in surveys
-        if s.scan is not None
-    ]
-    plan = plan_recovery(candidates, nodes, persistent_newest=persistent)
-    for skipped, why in plan.skipped.items():
-        if tiers.coordinator.is_coordinator:
+    plan = plan_recovery(merged, nodes, persistent_newest=None)
+    if tiers.coordinator.is_coordinator:
+        for skipped, why in plan.skipped.items():
             log.warning("not recovering from %s: %s", skipped, why)
-    return plan, [*candidates, *([persistent] if persistent else [])]
+    return _Choice(plan, tuple(seen), winners, conflicted)
 
 
-def _manifest_text(tiers: TierSet, ctx: SaveContext, name: str) -> str:
-    """The chosen checkpoint's manifest, from whichever node (or the persistent root) has it."""
+def _same(a: CheckpointCandidate, b: CheckpointCandidate) -> bool:
+    return tuple(a.order) == tuple(b.order) and dict(a.files) == dict(b.files)
 
-    def mine() -> str | None:
-        rank = ctx.coordinator.rank
-        if tiers.layout.is_lead(rank) and ctx.storage.exists(f"{name}/{MANIFEST_FILE}"):
-            return ctx.storage.read_bytes(f"{name}/{MANIFEST_FILE}").decode()
-        if rank == 0 and tiers.persistent.storage.exists(f"{name}/{MANIFEST_FILE}"):
-            return tiers.persistent.storage.read_bytes(f"{name}/{MANIFEST_FILE}").decode()
-        return None
 
-    texts = ctx.coordinator.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
-    found = [t for t in texts if t is not None]
-    if not found:
-        raise _error(ctx, name, "its manifest vanished during recovery")
-    return found[0]
+def _manifest_text(tiers: TierSet, ctx: SaveContext, choice: _Choice, name: str) -> str:
+    """The chosen checkpoint's manifest, from a node (or the persistent root) holding that
+    checkpoint under its name, not another one."""
+    winner = choice.winners[name]
+
+    def mine() -> list[str]:
+        rank, texts = ctx.coordinator.rank, []
+        lost = choice.conflicted.get(tiers.node, frozenset())
+        if tiers.layout.is_lead(rank) and name not in lost:
+            with contextlib.suppress(Exception):
+                texts.append(ctx.storage.read_bytes(f"{name}/{MANIFEST_FILE}").decode())
+        if rank == 0:
+            with contextlib.suppress(Exception):
+                p = tiers.persistent.storage
+                texts.append(p.read_bytes(f"{name}/{MANIFEST_FILE}").decode())
+        return texts
+
+    gathered = ctx.coordinator.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
+    for text in (t for texts in gathered for t in texts):
+        try:
+            m = Manifest.from_json(text, name)
+        except Exception:
+            continue
+        files = {f"{name}/{f.path}": f.size for f in m.files}
+        if (m.sequence, m.created_unix) == tuple(winner.order[1:3]) and files == winner.files:
+            return text
+    raise _error(ctx, name, "no tier holds its manifest any more (it vanished during recovery)")
 
 
 def _my_fetches(tiers: TierSet, ctx: SaveContext, plan: RecoveryPlan) -> list[Any]:

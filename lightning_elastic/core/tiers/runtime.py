@@ -130,6 +130,7 @@ class TierSet:
         self._persisting_name: str | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._floor_known = False
+        self._names_known = False
         self._latest: Manifest | None = None  # the newest local commit
         self._persisted_name: str | None = None  # the newest persisted one
         self._persist_error: Exception | None = None  # of the newest persist attempt
@@ -172,6 +173,8 @@ class TierSet:
         """Every rank, before planning a save: whether it is persisted (module docstring).
         Never raises a failed persist's error: the local save goes ahead and the next save
         persists again (the error is logged on every rank and raised by :meth:`wait`)."""
+        if not self._names_known:
+            self._reserve_names(ctx)
         running = self._persisting
         busy, broken = self.coordinator.max_ints(
             [0 if running is None or running.done() else 1, 1 if self._group_broken else 0],
@@ -186,6 +189,24 @@ class TierSet:
         persist = idle and (force or self._since_persist + 1 >= self.every)
         self._since_persist = 0 if persist else self._since_persist + 1
         return persist
+
+    def _reserve_names(self, ctx: SaveContext) -> None:
+        """Every rank, before the first save: rank 0 learns every directory name of every
+        node's local root and of the persistent root, and never claims one of them (it claims
+        in its own root only): one name is one checkpoint on every tier, also after a
+        rollback whose new branch reaches steps an old copy still holds."""
+
+        def names() -> list[str]:
+            found: list[str] = []
+            if self.layout.is_lead(self.coordinator.rank):
+                found += [e.name for e in self.local.listdir() if e.is_dir]
+            if self.coordinator.is_coordinator:
+                found += [e.name for e in self.persistent.storage.listdir() if e.is_dir]
+            return found
+
+        gathered = self.coordinator.all_gather(Phase.SAVE_DECIDE, names)
+        ctx.reserved_names |= {n for got in gathered for n in got}
+        self._names_known = True
 
     def resumed(self, manifest: Manifest, *, persisted: bool) -> None:
         """After a recovery (every rank): a run resumed from a checkpoint the persistent tier
