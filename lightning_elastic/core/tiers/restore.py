@@ -42,7 +42,12 @@ from lightning_elastic.core.load.select import RUN_NAMED
 from lightning_elastic.core.save.request import SaveContext
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.tiers.inventory import NodeScan, holdings, scan_node
-from lightning_elastic.core.tiers.recovery import CheckpointCandidate, RecoveryPlan, plan_recovery
+from lightning_elastic.core.tiers.recovery import (
+    CheckpointCandidate,
+    Fetch,
+    RecoveryPlan,
+    plan_recovery,
+)
 from lightning_elastic.core.tiers.runtime import TIER_ROOT_KEY, TierSet
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
 from lightning_elastic.errors import (
@@ -336,10 +341,13 @@ def _drop_corrupt(
         if not tiers.layout.is_lead(rank):
             return []
         scan = next(s.scan for s in surveys if s.node == tiers.node and s.scan is not None)
+        # a copy this node sends to another is hashed by the sending itself (a corrupt one
+        # fails the transfer at the source): hashing it here too would read it twice
+        sent = {f.file for f in plan.fetches if f.src_rank == rank}
         bad = []
         for record in manifest.files:
             rel = f"{name}/{record.path}"
-            if rel not in scan.checkpoints.get(name, {}):
+            if rel not in scan.checkpoints.get(name, {}) or rel in sent:
                 continue
             got = ctx.storage.hash_file(rel, manifest.checksum_algorithm)
             if got.checksum != record.checksum:
@@ -358,46 +366,72 @@ def _drop_corrupt(
     return any(found)
 
 
+def _routes(plan: RecoveryPlan) -> tuple[list[Fetch], list[Fetch]]:
+    """The downloads and the node-to-node copies of ``plan``, same on every rank. A file no
+    node holds is downloaded from the persistent tier by ONE of the nodes that need it (the
+    one with the fewest bytes to download so far, largest files first), which then passes it
+    on: every node downloads a share, not the whole checkpoint (N nodes, N copies of egress)."""
+    remote: dict[str, list[Fetch]] = {}
+    relays = [f for f in plan.fetches if f.src_rank is not None]
+    for f in plan.fetches:
+        if f.src_rank is None:
+            remote.setdefault(f.file, []).append(f)
+    assigned: dict[int, int] = {}
+    downloads: list[Fetch] = []
+    for file in sorted(remote, key=lambda p: (-remote[p][0].size, p)):
+        size = remote[file][0].size
+        dsts = sorted(f.dst_rank for f in remote[file])
+        who = min(dsts, key=lambda r: (assigned.get(r, 0), r))
+        assigned[who] = assigned.get(who, 0) + size
+        downloads.append(Fetch(file, size, who, None))
+        relays += [Fetch(file, size, d, who) for d in dsts if d != who]
+    return downloads, relays
+
+
 def _fetch(
     tiers: TierSet, ctx: SaveContext, manifest: Manifest, plan: RecoveryPlan
 ) -> set[str] | None:
-    """Make every node's copy complete: ``None`` when done, else what to exclude from the
-    next attempt (the checkpoint when its persistent copy is corrupt: quarantined there; an
-    empty set when a corrupt local source was deleted)."""
+    """Make every node's copy complete: downloads first (each rank its share), then the
+    node-to-node copies (the relays of the downloads among them). ``None`` when done, else
+    what to exclude from the next attempt: the checkpoint when its persistent copy is corrupt
+    (quarantined there), nothing when a corrupt local source was deleted (fewer copies)."""
     coord, rank = ctx.coordinator, ctx.coordinator.rank
     records = {f"{manifest.name}/{f.path}": f for f in manifest.files}
     alg = manifest.checksum_algorithm
-    mine = _my_fetches(tiers, ctx, plan)
-    for f in mine:  # a wrong-size copy is not held: make room for the good one
+    for f in _my_fetches(tiers, ctx, plan):  # a wrong-size copy is not held: make room
         ctx.storage.delete(f.file)
-    peer = [
+    downloads, relays = _routes(plan)
+    transfers = [
         Transfer(f.src_rank, f.dst_rank, f.file, f.size, records[f.file].checksum, alg)
-        for f in plan.fetches
+        for f in relays
         if f.src_rank is not None
     ]
 
     def fetch() -> dict[str, Any]:
-        outcome: dict[str, Any] = {"corrupt_sources": [], "persistent_corrupt": None}
-        if peer and tiers.group is not None:
+        outcome: dict[str, Any] = {"retry": False, "persistent_corrupt": None}
+        for f in downloads:
+            if f.dst_rank == rank:
+                try:
+                    _download(tiers.persistent.storage, ctx.storage, f.file, records[f.file], alg)
+                except IntegrityError as exc:
+                    outcome["persistent_corrupt"] = [f.file, exc.reason]
+        if transfers and tiers.group is not None:
             try:
                 execute_transfers(
-                    peer, rank=rank, group=tiers.group, storage=ctx.storage, timeout=tiers.timeout
+                    transfers,
+                    rank=rank,
+                    group=tiers.group,
+                    storage=ctx.storage,
+                    timeout=tiers.timeout,
                 )
             except TransferError as exc:
                 for failure in exc.failures:
-                    t = failure.transfer
+                    if failure.kind in ("communication", "write"):
+                        raise
+                    t = failure.transfer  # "source" / "integrity": plan again
                     if failure.kind == "integrity" and t.src == rank:
                         ctx.storage.delete(t.path)  # our copy is the corrupt one
-                        outcome["corrupt_sources"].append(t.path)
-                    elif failure.kind != "integrity":
-                        raise
-        for f in mine:
-            if f.src_rank is None:
-                record = records[f.file]
-                try:
-                    _download(tiers.persistent.storage, ctx.storage, f.file, record, alg)
-                except IntegrityError as exc:
-                    outcome["persistent_corrupt"] = [f.file, exc.reason]
+                    outcome["retry"] = True
         return outcome
 
     outcomes = coord.all_gather(Phase.LOAD, fetch, error=CheckpointLoadError)
@@ -410,8 +444,8 @@ def _fetch(
             log.warning("could not quarantine %s: %r", manifest.name, exc)
     if corrupt:
         return {manifest.name}
-    if any(o["corrupt_sources"] for o in outcomes):
-        return set()  # deleted: the next attempt's scan sees fewer copies
+    if any(o["retry"] for o in outcomes):
+        return set()  # a corrupt source was deleted: the next attempt sees fewer copies
     return None
 
 
@@ -456,11 +490,12 @@ def _record(
 ) -> Recovery:
     """This rank's recovery record, logged."""
     lead = tiers.layout.lead(tiers.node)
-    fetched = [f for f in plan.fetches if f.dst_rank == lead]
+    downloads, relays = _routes(plan)
     total = info.manifest.total_bytes if info.manifest is not None else 0
     by_source = {"local": 0, "peer": 0, "persistent": 0}
-    for f in fetched:
-        by_source[f.source] += f.size
+    for f in [*downloads, *relays]:
+        if f.dst_rank == lead:
+            by_source[f.source] += f.size
     by_source["local"] = max(0, total - by_source["peer"] - by_source["persistent"])
     tier = "local"
     if by_source["persistent"]:
