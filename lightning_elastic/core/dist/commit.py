@@ -14,14 +14,14 @@ import dataclasses
 import importlib.metadata
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from lightning_elastic.core.forksafe import fork_safe_logger
-from lightning_elastic.core.dist.channel import CommitDecision
+from lightning_elastic.core.dist.channel import CommitChannel, CommitDecision
 from lightning_elastic.core.format.dcp_json import ItemLocation, metadata_to_json
 from lightning_elastic.core.dist.lease import check_lease
 from lightning_elastic.core.format.catalog import Catalog
@@ -41,7 +41,7 @@ from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import CheckpointTimeoutError, Phase, RankFailure, StaleWriterError
 
-__all__ = ["commit_as_coordinator", "library_versions"]
+__all__ = ["collect_and_commit", "commit_as_coordinator", "library_versions"]
 
 log = fork_safe_logger(__name__)  # also logs from the writer thread
 
@@ -52,22 +52,14 @@ def commit_as_coordinator(
     """Rank 0: collect every report and commit if all are good; publish the decision."""
     what = ctx.storage.display(planned.name)
     manifest = None
-    try:
-        reports = ctx.channel.collect(planned.save_id, planned.deadline, what)
-        failures = [RankFailure.from_json(r["failure"]) for r in reports.values() if not r["ok"]]
-        if failures:
-            decision = CommitDecision(False, tuple(failures))
-        else:
-            manifest = _write_commit(ctx, planned, ckpt, reports)
-            decision = CommitDecision(True)
-    except CheckpointTimeoutError as exc:
-        decision = CommitDecision(False, (), tuple(exc.missing_ranks), ctx.timeout_s)
-    except StaleWriterError as exc:
-        log.error("refusing to commit %s: %s", what, exc)
-        decision = CommitDecision(False, tuple(exc.failures.values()))
-    except Exception as exc:
-        log.error("rank 0 failed to commit %s", what, exc_info=True)
-        decision = CommitDecision(False, (RankFailure.from_exception(0, Phase.COMMIT, exc),))
+
+    def commit(reports: Mapping[int, Any]) -> None:
+        nonlocal manifest
+        manifest = _write_commit(ctx, planned, ckpt, reports)
+
+    decision = collect_and_commit(
+        ctx.channel, planned.save_id, planned.deadline, what, commit, ctx.timeout_s
+    )
     if not decision.committed:
         decision = _stale_first(ctx, decision)
     ctx.channel.publish(planned.save_id, decision)
@@ -79,6 +71,34 @@ def commit_as_coordinator(
             ctx.storage, planned.name, planned.save_id, keep_record=bool(decision.missing)
         )
     return decision, manifest
+
+
+def collect_and_commit(
+    channel: CommitChannel,
+    save_id: str,
+    deadline: float,
+    what: str,
+    commit: Callable[[Mapping[int, Any]], None],
+    timeout_s: float,
+) -> CommitDecision:
+    """Rank 0: every rank's report, then ``commit(reports)`` when all are good; the decision
+    (a timeout names the silent ranks, a stale writer says so, anything else is rank 0's
+    failure in the commit phase)."""
+    try:
+        reports = channel.collect(save_id, deadline, what)
+        failures = [RankFailure.from_json(r["failure"]) for r in reports.values() if not r["ok"]]
+        if failures:
+            return CommitDecision(False, tuple(failures))
+        commit(reports)
+        return CommitDecision(True)
+    except CheckpointTimeoutError as exc:
+        return CommitDecision(False, (), tuple(exc.missing_ranks), timeout_s)
+    except StaleWriterError as exc:
+        log.error("refusing to commit %s: %s", what, exc)
+        return CommitDecision(False, tuple(exc.failures.values()))
+    except Exception as exc:
+        log.error("rank 0 failed to commit %s", what, exc_info=True)
+        return CommitDecision(False, (RankFailure.from_exception(0, Phase.COMMIT, exc),))
 
 
 def _stale_first(ctx: SaveContext, decision: CommitDecision) -> CommitDecision:

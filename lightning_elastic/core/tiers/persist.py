@@ -29,6 +29,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from lightning_elastic.core.dist.channel import CommitChannel, CommitDecision
+from lightning_elastic.core.dist.commit import collect_and_commit
 from lightning_elastic.core.dist.lease import Lease, check_lease, take_lease
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.catalog import Catalog
@@ -43,11 +44,9 @@ from lightning_elastic.core.policy.retention import RetentionPolicy
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointExistsError,
-    CheckpointTimeoutError,
     IntegrityError,
     Phase,
     RankFailure,
-    StaleWriterError,
 )
 
 __all__ = ["PersistentTier", "persist_checkpoint"]
@@ -187,27 +186,19 @@ def _commit(
     name, save_id = manifest.name, manifest.save_id
     what = tier.storage.display(name)
     persisted: Manifest | None = None
-    try:
-        reports = tier.channel.collect(save_id, deadline, what)
-        failures = [RankFailure.from_json(r["failure"]) for r in reports.values() if not r["ok"]]
-        if failures:
-            decision = CommitDecision(False, tuple(failures))
-        else:
-            if tier.lease is None or tier.lease.run_id != manifest.run_id:
-                tier.lease = take_lease(tier.storage, manifest.run_id)
-            persisted = dataclasses.replace(manifest, generation=tier.lease.generation)
-            check_lease(tier.storage, tier.lease)  # a newer job of this run wins: refuse
-            body = persisted.to_json().encode()
-            tier.storage.write_bytes(f"{name}/{MANIFEST_FILE}", body, exclusive=True)
-            decision = CommitDecision(True)
-    except CheckpointTimeoutError as exc:
-        decision = CommitDecision(False, (), tuple(exc.missing_ranks), tier.channel.timeout_s)
-    except StaleWriterError as exc:
-        log.error("refusing to persist %s: %s", what, exc)
-        decision = CommitDecision(False, tuple(exc.failures.values()))
-    except Exception as exc:
-        log.error("rank 0 failed to persist %s", what, exc_info=True)
-        decision = CommitDecision(False, (RankFailure.from_exception(0, Phase.COMMIT, exc),))
+
+    def commit(reports: object) -> None:
+        nonlocal persisted
+        if tier.lease is None or tier.lease.run_id != manifest.run_id:
+            tier.lease = take_lease(tier.storage, manifest.run_id)
+        copy = dataclasses.replace(manifest, generation=tier.lease.generation)
+        check_lease(tier.storage, tier.lease)  # a newer job of this run wins: refuse
+        tier.storage.write_bytes(f"{name}/{MANIFEST_FILE}", copy.to_json().encode(), exclusive=True)
+        persisted = copy
+
+    decision = collect_and_commit(
+        tier.channel, save_id, deadline, what, commit, tier.channel.timeout_s
+    )
     tier.channel.publish(save_id, decision)
     if decision.committed and persisted is not None:
         after_commit(
