@@ -57,7 +57,7 @@ from lightning_elastic.core.save.stage import HostArena, Payload
 from lightning_elastic.core.save.write import check_compression
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
-from lightning_elastic.core.tiers.restore import Filters, Recovery, recover
+from lightning_elastic.core.tiers.restore import Filters, Recovery, choose, recover
 from lightning_elastic.core.tiers.runtime import TIER_ROOT_KEY, TierSet
 from lightning_elastic.errors import (
     CheckpointLoadError,
@@ -429,8 +429,12 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ loading
 
     def latest(self, *, verify: str = "full") -> CheckpointInfo | None:
-        """The newest valid checkpoint (collective; corrupt ones are quarantined), or None."""
+        """The newest valid checkpoint (collective; corrupt ones are quarantined), or None.
+        Multi-tier: the one a recovery would load, from any tier (verified when loaded)."""
         check_verify_mode(verify)
+        if self._tiers is not None:
+            filters = Filters(run_id=self._run_filter())
+            return choose(self._tiers, self._ctx, filters)
         return select_checkpoint(
             self.storage, self.catalog, self.coordinator, None, verify, run_id=self._run_filter()
         )

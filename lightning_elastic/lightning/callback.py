@@ -399,8 +399,7 @@ class DistributedCheckpoint(Checkpoint):
             checkpoint = self._train_end_checkpoint(trainer)
             self._save(trainer, reason="train_end", blocking=True, checkpoint=checkpoint)
         self._finish_pending(trainer, wait=True)
-        if self.save_on_train_end:
-            self.engine.persist_latest()  # multi-tier: the end of a fit is persisted
+        self.engine.persist_latest()  # multi-tier: the newest save of a fit is persisted
         if self._monitor is not None:
             self._monitor.train_end(trainer.global_step, reason="train_end")
 

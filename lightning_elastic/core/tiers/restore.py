@@ -58,7 +58,7 @@ from lightning_elastic.errors import (
     RankFailure,
 )
 
-__all__ = ["Recovery", "recover"]
+__all__ = ["Filters", "Recovery", "choose", "recover"]
 
 log = fork_safe_logger(__name__)
 _ATTEMPTS = 6  # each retry follows a deleted corrupt copy or a quarantined checkpoint
@@ -163,6 +163,20 @@ def _error(ctx: SaveContext, what: str, message: str) -> CheckpointLoadError:
     return CheckpointLoadError(what, [failure])
 
 
+def choose(tiers: TierSet, ctx: SaveContext, filters: Filters) -> CheckpointInfo | None:
+    """Every rank: the checkpoint a recovery would load now (survey and plan, nothing moved),
+    as an info built from its manifest, or ``None``."""
+    surveys = ctx.coordinator.all_gather(
+        Phase.LOAD_SELECT, functools.partial(_survey, tiers, ctx, filters, frozenset())
+    )
+    choice = _plan(tiers, surveys, set())
+    name = choice.plan.checkpoint
+    if name is None:
+        return None
+    manifest = Manifest.from_json(_manifest_text(tiers, ctx, choice, name), name)
+    return CheckpointInfo(name, ctx.storage.display(name), VALID, manifest)
+
+
 def _drop_conflicting(tiers: TierSet, ctx: SaveContext, choice: _Choice, name: str) -> None:
     """A node whose copy of ``name`` is another (older) checkpoint gives that copy up: its
     manifest goes first, then the chosen one's files and manifest arrive like on a node that
@@ -259,7 +273,9 @@ def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Ch
             if c.name not in excluded:
                 variants.setdefault(c.name, []).append(c)
                 seen.append(c)
-    winners = {n: max(vs, key=lambda c: (c.order, c.persisted)) for n, vs in variants.items()}
+    # a persisted checkpoint wins its name over node-only copies (a copy left on a node that
+    # was away while the job rolled back must not replace what the job committed since)
+    winners = {n: max(vs, key=lambda c: (c.persisted, c.order)) for n, vs in variants.items()}
     merged = []
     for name, win in winners.items():
         persisted = any(c.persisted and _same(c, win) for c in variants[name])

@@ -194,18 +194,23 @@ class TierSet:
         """Every rank, before the first save: rank 0 learns every directory name of every
         node's local root and of the persistent root, and never claims one of them (it claims
         in its own root only): one name is one checkpoint on every tier, also after a
-        rollback whose new branch reaches steps an old copy still holds."""
+        rollback whose new branch reaches steps an old copy still holds. The newest commit
+        sequence of every node joins the floor: a fresh start's saves are newer than an old
+        run's copies on any node present."""
 
-        def names() -> list[str]:
+        def names() -> tuple[list[str], int]:
             found: list[str] = []
+            newest = 0  # commits draw sequences above every node's too (one commit order)
             if self.layout.is_lead(self.coordinator.rank):
                 found += [e.name for e in self.local.listdir() if e.is_dir]
+                newest = max([i.sequence for i in ctx.catalog.scan() if i.manifest], default=0)
             if self.coordinator.is_coordinator:
                 found += [e.name for e in self.persistent.storage.listdir() if e.is_dir]
-            return found
+            return found, newest
 
         gathered = self.coordinator.all_gather(Phase.SAVE_DECIDE, names)
-        ctx.reserved_names |= {n for got in gathered for n in got}
+        ctx.reserved_names |= {n for got, _ in gathered for n in got}
+        ctx.sequence_floor = max([ctx.sequence_floor, *(newest for _, newest in gathered)])
         self._names_known = True
 
     def resumed(self, manifest: Manifest, *, persisted: bool) -> None:
