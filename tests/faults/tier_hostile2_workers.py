@@ -111,3 +111,28 @@ def shared_local_root(root: str, nodes: list[str], saves: int) -> dict[str, Any]
         eng.load(s)
         out["tag"] = s["tag"]
     return out
+
+
+def close_while_uploading(root: str, nodes: list[str]) -> dict[str, Any]:
+    """Rank 1's upload of the first persist stalls 3 s; saves 2 and 3 go on (local_keep=1);
+    close() right after. What each tier holds afterwards."""
+    import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
+    from lightning_elastic.testing.faults import Fault
+
+    rank = dist.get_rank()
+    faults = [Fault("write", "*.distcp", "stall", times=1, ranks=(1,), seconds=3.0)]
+    eng = CheckpointEngine(
+        "faulty://" + os.path.join(root, "persistent"),
+        storage_options={"faults": faults},
+        local_root=os.path.join(root, f"local_{nodes[rank]}"),
+        node=nodes[rank],
+        timeout=timedelta(seconds=20),
+        local_keep=1,
+    )
+    for step in (1, 2, 3):
+        handle = eng.save(state(step), step=step)
+        assert handle is not None
+        handle.result()
+    t = time.monotonic()
+    eng.close()
+    return {"close_s": round(time.monotonic() - t, 2), "failures": eng._tiers.persist_failures}  # type: ignore[union-attr]

@@ -70,3 +70,11 @@ def test_resume_never_starts_fresh_and_the_next_auto_resume_takes_the_new_run(tm
     assert [f["first_step"] for f in fresh] == [0, 0] and fresh[0]["recovery"] is None
     again = run_distributed(w.fit, 2, run, 12, **tiers(tmp_path))
     assert [a["first_step"] for a in again] == [7, 7], again  # the newest: the fresh run's end
+
+
+def test_the_last_save_of_a_fit_is_persisted_without_save_on_train_end(tmp_path) -> None:
+    # docs/tiers.md: "The last save of a fit and saves on a preemption signal always are"
+    run = str(tmp_path / "run")
+    run_distributed(w.fit, 2, run, 15, save_on_train_end=False, **tiers(tmp_path))
+    assert steps(tmp_path / "local") == [10, 15]
+    assert steps(tmp_path / "run" / "ckpts") == [15]  # today: [] (nothing ever persisted)
