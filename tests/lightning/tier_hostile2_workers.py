@@ -1,0 +1,53 @@
+"""Lightning rank functions for tests/lightning/test_tier_hostile2.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from tests.lightning.models import TinyModule, make_trainer
+
+
+class Raising(TinyModule):
+    def __init__(self, raise_at: int = -1, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.raise_at = raise_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == self.raise_at:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def fit(
+    root: str,
+    max_steps: int,
+    *,
+    ckpt_path: str | None = None,
+    raise_at: int = -1,
+    every: int | None = 5,
+    model_kwargs: dict | None = None,
+    **cb: Any,
+) -> dict:
+    pl.seed_everything(7, verbose=False)
+    model = Raising(raise_at=raise_at, **(model_kwargs or {}))
+    checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every, **cb)
+    trainer = make_trainer(
+        root, max_steps=max_steps, strategy=ElasticStrategy(), callbacks=[checkpoint]
+    )
+    out: dict[str, Any] = {}
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except SystemExit as exc:
+        out["exit"] = exc.code
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    out.update(
+        first_step=model.losses[0][0] if model.losses else None,
+        global_step=trainer.global_step,
+        resumed_from=trainer.ckpt_path,
+        recovery=checkpoint.recovery,
+    )
+    return out
