@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 
 from lightning_elastic.testing.spawn import run_distributed
-from tests.lightning import workers
 from tests.lightning import tier_hostile2_workers as w
+from tests.lightning import workers
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def steps(root: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("_")[1].split("-")[0])
-                  for p in root.glob("step_*/manifest.json"))
+    return sorted(
+        int(p.parent.name.split("_")[1].split("-")[0]) for p in root.glob("step_*/manifest.json")
+    )
 
 
 def tiers(tmp_path: Path, every: int = 10) -> dict:

@@ -155,16 +155,28 @@ class TierSet:
         probes = coord.all_gather(Phase.INIT, write, error=DistributedFailure)
         mine = probes[lead]
         assert mine is not None
-        seen = coord.all_gather(Phase.INIT, lambda: local.exists(mine), error=DistributedFailure)
+        others = [p for r, p in enumerate(probes) if p is not None and r != lead]
+
+        def look() -> tuple[bool, bool]:
+            return local.exists(mine), any(local.exists(p) for p in others)
+
+        seen = coord.all_gather(Phase.INIT, look, error=DistributedFailure)
         if coord.rank == lead:
             with contextlib.suppress(Exception):
                 local.delete(mine)
-        blind = [r for r, ok in enumerate(seen) if not ok]
+        blind = [r for r, (ok, _) in enumerate(seen) if not ok]
         if blind:
             raise ConfigError(
                 f"rank(s) {blind} report the node id of other ranks but do not see their "
                 f"node-local root ({local.display()}): give every host its own node id "
                 f"(${NODE_ENV} or distinct host names)"
+            )
+        shared = [r for r, (_, other) in enumerate(seen) if other]
+        if shared:
+            raise ConfigError(
+                f"rank(s) {shared} see the local root of another node in {local.display()}: "
+                "local_dirpath must be node-local (/dev/shm, a local disk), not a shared file "
+                "system, or replicas would land in the directory they protect"
             )
 
     # ------------------------------------------------------------------ training thread
