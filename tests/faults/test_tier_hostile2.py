@@ -40,15 +40,6 @@ def rollback_while_b_was_away(tmp_path: Path, new_branch: list[tuple[int, float,
     )
 
 
-KNOWN = pytest.mark.xfail(
-    strict=True,
-    reason="known limitation (#11 note): a node absent while the job rolled back keeps the "
-    "abandoned branch, whose commit sequences may exceed the new branch's; ordering by the "
-    "persistent lease generation within a run would fix it",
-)
-
-
-@KNOWN
 def test_a_node_away_during_a_rollback_does_not_resurrect_the_abandoned_branch(tmp_path) -> None:
     # the new branch is shorter than the abandoned one: its commit sequences (2, 3) are below
     # the sequence of the abandoned step 4 (4) that only node b holds
@@ -57,7 +48,6 @@ def test_a_node_away_during_a_rollback_does_not_resurrect_the_abandoned_branch(t
     assert [g["tag"] for g in got] == [30.0, 30.0], got  # today: 4.0 (abandoned branch)
 
 
-@KNOWN
 def test_a_stale_copy_under_the_new_branchs_name_does_not_replace_the_new_branch(
     tmp_path,
 ) -> None:

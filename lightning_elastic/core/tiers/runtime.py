@@ -49,6 +49,7 @@ from lightning_elastic.core.save.pipeline import finish_save
 from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.tiers.epoch import EPOCH_SHIFT, claim_epoch
 from lightning_elastic.core.tiers.layout import NODE_ENV, NodeLayout, node_name
 from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
@@ -207,8 +208,8 @@ class TierSet:
         node's local root and of the persistent root, and never claims one of them (it claims
         in its own root only): one name is one checkpoint on every tier, also after a
         rollback whose new branch reaches steps an old copy still holds. The newest commit
-        sequence of every node joins the floor: a fresh start's saves are newer than an old
-        run's copies on any node present."""
+        sequence of every node joins the floor, and so does a new job epoch: this job's saves
+        are newer than any earlier job's copies on any node, present or not."""
 
         def names() -> tuple[list[str], int]:
             found: list[str] = []
@@ -218,6 +219,9 @@ class TierSet:
                 newest = max([i.sequence for i in ctx.catalog.scan() if i.manifest], default=0)
             if self.coordinator.is_coordinator:
                 found += [e.name for e in self.persistent.storage.listdir() if e.is_dir]
+                # this job's commits are newer than any earlier job's, on any node, even one
+                # that is away now (tiers/epoch.py)
+                newest = max(newest, claim_epoch(self.persistent.storage) << EPOCH_SHIFT)
             return found, newest
 
         gathered = self.coordinator.all_gather(Phase.SAVE_DECIDE, names)
