@@ -266,6 +266,11 @@ class CheckpointEngine:
         return self._ctx.resumed_from
 
     @property
+    def multi_tier(self) -> bool:
+        """Whether this engine has a node-local tier (``local_root``)."""
+        return self._tiers is not None
+
+    @property
     def arena(self) -> HostArena:
         """The host buffer asynchronous saves stage into, reused across saves."""
         return self._ctx.arena

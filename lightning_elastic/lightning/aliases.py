@@ -111,4 +111,6 @@ def resolve_alias(
                 f"trainer.callback_metrics when it is saved: self.log({callback.monitor!r}, "
                 '...) before the save, or pass ckpt_path="last" or a checkpoint directory'
             )
-    return session.load(engine, name=info.name, verify="none")  # verified just now
+    # verified just now; multi-tier: chosen only, the copies are verified as they are loaded
+    again = verify if engine.multi_tier else "none"
+    return session.load(engine, name=info.name, verify=again)
