@@ -130,7 +130,6 @@ class TierSet:
         self._persisting: Future[bool] | None = None
         self._persisting_name: str | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._floor_known = False
         self._names_known = False
         self._latest: Manifest | None = None  # the newest local commit
         self._persisted_name: str | None = None  # the newest persisted one
@@ -242,10 +241,13 @@ class TierSet:
         """Every rank, training thread, no save in flight: persist the newest local save now
         unless it is persisted already, and wait for it, raising its error. For the end of a
         fit and a preemption signal when the newest step was saved by the schedule already."""
-        self.wait(ctx)
+        if self._persisting is not None:
+            self._finished(ctx)
         latest = self._latest
         if latest is None or latest.name == self._persisted_name:
+            self.wait(ctx)  # the newest attempt's error, if it failed
             return False
+        self._persist_error = None  # an earlier failure is retried now, by the newest save
         self._submit(ctx, latest)
         self.wait(ctx)
         return True
@@ -314,11 +316,6 @@ class TierSet:
         persist: bool,
     ) -> SaveResult:
         """The background part of a tiered save (module docstring)."""
-        if ctx.coordinator.is_coordinator and not self._floor_known:
-            # commits draw sequences above the persistent root's too (one commit order)
-            seqs = [i.sequence for i in self.persistent.catalog.scan() if i.manifest is not None]
-            ctx.sequence_floor = max(ctx.sequence_floor, *seqs, 0)
-            self._floor_known = True
         result = finish_save(ctx, planned, payload, blocked_s, staging_s)
         manifest, text = self._share_manifest(ctx, planned, result)
         ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
