@@ -163,6 +163,47 @@ def test_a_sender_copy_of_the_wrong_size_or_damaged_is_refused_by_the_sender(tmp
 
 
 @pytest.mark.timeout(120)
+def test_bytes_sent_from_memory_are_checked_by_the_receiver_not_read_from_the_sender_file(
+    tmp_path,
+) -> None:
+    """A save's replica goes out from its staged payload: the sender's file is neither read
+    nor hashed (here it is damaged, or absent), the receiver's checksum is the only check."""
+    good = data(3000, 8)
+    damaged = bytearray(good)
+    damaged[10] ^= 1
+    files = {0: {"s/from-memory": bytes(damaged)}}
+    memory = {
+        0: {
+            # writable pieces go out as they are, a read-only one (padding) through scratch
+            "s/from-memory": [bytearray(good[:1200]), good[1200:1300], bytearray(good[1300:])],
+            "s/absent-on-disk": [bytearray(good)],
+            "s/too-short": [bytearray(good[:2999])],
+            "s/too-long": [bytearray(good + b"x")],
+            "s/wrong-bytes": [damaged],
+        }
+    }
+    transfers = [
+        move(0, 1, p, good)
+        for p in ("s/from-memory", "s/absent-on-disk", "s/too-short", "s/too-long", "s/wrong-bytes")
+    ]
+    results = run(tmp_path, 2, files, transfers, chunk_bytes=1000, memory=memory)
+    for r in results:
+        kinds = [(f.transfer.path, f.kind) for f in r["error"].failures]
+        assert kinds == [
+            ("s/too-short", "source"),
+            ("s/too-long", "source"),
+            ("s/wrong-bytes", "integrity"),
+        ]
+        assert "in memory has 2999 bytes" in str(r["error"])
+    assert on_node(tmp_path, 1, "s/from-memory").read_bytes() == good
+    assert on_node(tmp_path, 1, "s/absent-on-disk").read_bytes() == good
+    for path in ("s/too-short", "s/too-long", "s/wrong-bytes"):
+        assert not on_node(tmp_path, 1, path).exists()
+    assert results[0]["stats"].files_sent == 2
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.timeout(120)
 def test_bytes_damaged_in_flight_fail_both_sides_and_leave_no_copy(tmp_path) -> None:
     content = data(4000, 7)
     files = {0: {"s/x": content}}

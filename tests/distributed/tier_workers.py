@@ -33,13 +33,16 @@ def transfer_worker(
     exit_on_rank: int | None = None,
     stall: tuple[int, float] | None = None,
     in_thread: bool = False,
+    memory: dict[int, dict[str, list[bytes | bytearray]]] | None = None,
 ) -> dict[str, Any]:
     """Write this rank's ``files``, run the transfers on a dedicated gloo group and return
     the stats (or the error), the seconds taken and the messages counted by kind.
     ``flip_on_rank`` damages the payloads that rank receives; ``exit_on_rank`` exits
     after the group is set up, before any transfer (a dead peer); ``stall=(rank, s)``
     makes that rank sleep ``s`` seconds first (a live but late peer). ``in_thread`` runs
-    the transfers on a thread while the main thread all-reduces on the default group."""
+    the transfers on a thread while the main thread all-reduces on the default group.
+    ``memory`` gives a rank's ``sources``: path -> the pieces sent from memory (``bytes`` are
+    read-only buffers, ``bytearray`` writable ones)."""
     rank = dist.get_rank()
     storage = node_storage(root, rank)
     for path, data in files.get(rank, {}).items():
@@ -63,6 +66,10 @@ def transfer_worker(
                 storage=storage,
                 chunk_bytes=chunk_bytes,
                 timeout=timedelta(seconds=timeout_s),
+                sources={
+                    path: (lambda pieces=pieces: [memoryview(p) for p in pieces])
+                    for path, pieces in (memory or {}).get(rank, {}).items()
+                },
             )
             outcome["error"] = None
         except TransferError as exc:

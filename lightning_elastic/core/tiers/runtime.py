@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
@@ -319,7 +319,7 @@ class TierSet:
         result = finish_save(ctx, planned, payload, blocked_s, staging_s)
         manifest, text = self._share_manifest(ctx, planned, result)
         ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
-        self._replicate(ctx, manifest, text)
+        self._replicate(ctx, manifest, text, payload)
         self._latest = manifest
         if persist:
             self._submit(ctx, manifest)
@@ -358,11 +358,26 @@ class TierSet:
             ch.ack(save_id)
         return result.manifest or Manifest.from_json(text, what), text
 
-    def _replicate(self, ctx: SaveContext, manifest: Manifest, text: str) -> None:
+    def _replicate(self, ctx: SaveContext, manifest: Manifest, text: str, payload: Payload) -> None:
         """Replicas and the DCP metadata to the other nodes; then each other node's lead
-        commits its copy (manifest last) and applies the local retention there."""
+        commits its copy (manifest last) and applies the local retention there. A rank's
+        own shard is sent from its staged payload (still intact: the next save stages only
+        after this one finished), not read back from the file it was written to; the
+        receiver checks it against the manifest's checksum all the same."""
         rank = ctx.coordinator.rank
         transfers = self.transfers(manifest)
+        sources = {}
+        if ctx.compression is None:  # else the file's bytes are not the payload's
+            image = payload.image
+
+            def chunks() -> Iterable[memoryview]:
+                return payload.chunks() if image is None else (image,)
+
+            sources = {
+                f"{manifest.name}/{f.path}": chunks
+                for f in manifest.files
+                if f.rank == rank and f.size == payload.size
+            }
         if transfers and self.group is not None:
             try:
                 execute_transfers(
@@ -371,6 +386,7 @@ class TierSet:
                     group=self.group,
                     storage=ctx.storage,
                     timeout=self.timeout,
+                    sources=sources,
                 )
             except TransferError as exc:
                 self.replica_failures += 1

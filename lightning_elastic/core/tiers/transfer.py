@@ -33,7 +33,7 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
@@ -218,6 +218,7 @@ def execute_transfers(
     storage: Storage,
     chunk_bytes: int = 64 * 2**20,
     timeout: timedelta | None = None,
+    sources: Mapping[str, Callable[[], Iterable[memoryview]]] | None = None,
 ) -> TransferStats:
     """Take part in the transfers of ``transfers`` where ``rank`` is the sender or receiver.
 
@@ -230,6 +231,10 @@ def execute_transfers(
             create, hashed on the way).
         chunk_bytes: bytes per message; also the size of this rank's one buffer.
         timeout: the longest one send or receive may wait (``None``: the group's timeout).
+        sources: the bytes of files this rank sends from memory instead of reading them from
+            ``storage`` (by path): a save's staged payload, just written to the file. They are
+            sent as they are, neither read back nor hashed here; the receiver checks them
+            against the checksum as it does every copy.
 
     Returns:
         What this rank sent, received and found present.
@@ -258,7 +263,8 @@ def execute_transfers(
         link = _Link(group, peer, index, timeout)
         try:
             if rank == t.src:
-                failure = _send(t, link, storage, scratch, chunk_bytes, counts)
+                source = (sources or {}).get(t.path)
+                failure = _send(t, link, storage, scratch, chunk_bytes, counts, source)
             else:
                 failure = _receive(t, link, storage, scratch, counts)
         except _PeerLost as exc:
@@ -295,12 +301,17 @@ def _send(
     scratch: _Scratch,
     chunk_bytes: int,
     counts: dict[str, int],
+    source: Callable[[], Iterable[memoryview]] | None = None,
 ) -> TransferFailure | None:
-    """The sender's side: stream the file unless the receiver has it, then read its verdict."""
+    """The sender's side: stream the file (or ``source``) unless the receiver has it, then
+    read its verdict."""
     if link.recv_ints(1) == [0]:
         counts["files_present"] += 1
         return None
-    code, message = _stream(t, link, storage, scratch, chunk_bytes)
+    if source is None:
+        code, message = _stream(t, link, storage, scratch, chunk_bytes)
+    else:
+        code, message = _stream_memory(t, link, source(), scratch, chunk_bytes)
     link.send_status(code, message)  # the end of the stream, or a failure in a header's place
     if code != _OK:
         return TransferFailure(t, _KIND[code], message)
@@ -344,6 +355,32 @@ def _stream(
             f"{where} does not match its checksum ({t.algorithm} {hasher.hexdigest()}, "
             f"expected {t.checksum}); not replicated"
         )
+    return _OK, ""
+
+
+def _stream_memory(
+    t: Transfer, link: _Link, source: Iterable[memoryview], scratch: _Scratch, chunk_bytes: int
+) -> tuple[int, str]:
+    """Send bytes held in memory (see ``sources``), like :func:`_stream` without the read and
+    the hash: writable buffers go out as they are, read-only ones (padding) through
+    ``scratch``. A source of another size than the transfer's fails at its end."""
+    sent = 0
+    for buffer in source:
+        view = buffer.cast("B")
+        for start in range(0, view.nbytes, chunk_bytes):
+            piece = view[start : start + chunk_bytes]
+            if sent + piece.nbytes > t.size:
+                return _SIZE, f"rank {t.src}: {t.path} in memory is longer than {t.size} bytes"
+            if piece.readonly:
+                chunk = scratch.take(piece.nbytes)
+                byte_view(chunk)[:] = piece
+            else:
+                chunk = torch.frombuffer(piece, dtype=torch.uint8)
+            link.send_ints(_OK, piece.nbytes)
+            link.send(chunk)
+            sent += piece.nbytes
+    if sent != t.size:
+        return _SIZE, f"rank {t.src}: {t.path} in memory has {sent} bytes, expected {t.size}"
     return _OK, ""
 
 
