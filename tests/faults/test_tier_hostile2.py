@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from lightning_elastic.testing.spawn import WorkerFailure, run_distributed
-from tests.faults.tier_hostile2_workers import load, save, shared_local_root, store_keys
+from tests.faults.tier_hostile_workers import (
+    close_while_uploading,
+    load,
+    save,
+    shared_local_root,
+    store_keys,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -26,6 +32,7 @@ def rollback_while_b_was_away(tmp_path: Path, new_branch: list[tuple[int, float,
         str(tmp_path),
         ["a", "b"],
         [(1, 1, True), (2, 2, False), (3, 3, False), (4, 4, False)],
+        settle=True,
         persist_every_n_saves=10,
     )
     shutil.rmtree(tmp_path / "local_a")
@@ -36,6 +43,7 @@ def rollback_while_b_was_away(tmp_path: Path, new_branch: list[tuple[int, float,
         ["a", "c"],
         new_branch,
         load="step_000000001",
+        settle=True,
         persist_every_n_saves=10,
     )
 
@@ -75,6 +83,7 @@ def test_a_fresh_start_is_not_superseded_by_the_old_run_on_another_nodes_local_r
         str(tmp_path),
         ["a", "b"],
         [(1, 1, True), (2, 2, False), (3, 3, False), (4, 4, False)],
+        settle=True,
         persist_every_n_saves=10,
     )
     shutil.rmtree(tmp_path / "local_a")
@@ -84,6 +93,7 @@ def test_a_fresh_start_is_not_superseded_by_the_old_run_on_another_nodes_local_r
         str(tmp_path),
         ["a", "b"],
         [(1, 10, False), (2, 20, False)],
+        settle=True,
         persist_every_n_saves=10,
     )[0]
     got = run_distributed(load, 2, str(tmp_path), ["a", "b"])
@@ -95,3 +105,16 @@ def test_one_local_root_shared_by_two_node_ids_is_refused_at_construction(tmp_pa
     # protect (every save warned "this node keeps no copy", recovery reported "local")
     with pytest.raises(WorkerFailure, match="see the local root of another node"):
         run_distributed(shared_local_root, 2, str(tmp_path), ["a", "b"], 2)
+
+
+def test_a_checkpoint_kept_for_its_upload_is_trimmed_once_uploaded_also_at_close(tmp_path) -> None:
+    """local_keep=1: step 1 stays on the nodes while its upload stalls and steps 2 and 3
+    commit; close() waits for the upload, then each node keeps one checkpoint (no commit
+    comes after the upload to apply the local retention)."""
+    out = run_distributed(close_while_uploading, 2, str(tmp_path), ["a", "b"])
+    assert all(r["failures"] == 0 and r["close_s"] > 1.0 for r in out), out
+    for node in ("a", "b"):
+        held = sorted(p.parent.name for p in (tmp_path / f"local_{node}").glob("*/manifest.json"))
+        assert held == ["step_000000003"], (node, held)
+    persisted = sorted(p.parent.name for p in (tmp_path / "persistent").glob("*/manifest.json"))
+    assert persisted == ["step_000000001"]

@@ -1,4 +1,5 @@
-"""Rank functions for tests/faults/test_tier_hostile.py (module level, so they pickle).
+"""Rank functions for tests/faults/test_tier_hostile.py and test_tier_hostile2.py (the two
+hostile reviews of #11; module level, so they pickle).
 
 Rank ``r`` runs on node ``nodes[r]``; node-local roots ``<root>/local_<node>``, the persistent
 root ``<root>/persistent`` (unless given). ``tag`` marks which branch a state came from."""
@@ -44,21 +45,30 @@ def state(tag: float) -> dict[str, Any]:
 def save(
     root: str,
     nodes: list[str],
-    saves: list[tuple[int, float]],
+    saves: list[tuple[int, float]] | list[tuple[int, float, bool]],
     load: str | None = None,
+    resume: bool = False,
+    settle: bool = False,
     **options: Any,
 ) -> list[str]:
-    """Optionally load ``load`` (a name), then save ``(step, tag)`` pairs; the last is
-    persisted (``persist=True``). Returns the names saved."""
+    """Optionally load ``load`` (or the newest with ``resume``), then save ``(step, tag)``
+    pairs, the last persisted, or ``(step, tag, persist)`` triples. Each save is waited for;
+    with ``settle`` its persist too (which saves persist is then certain). Returns the names
+    saved."""
     with engine(root, nodes, **options) as eng:
         if load is not None:
             eng.load(state(-1), checkpoint=load)
+        elif resume:
+            eng.load(state(-1))
         names = []
-        for i, (step, tag) in enumerate(saves):
-            handle = eng.save(state(tag), step=step, persist=i == len(saves) - 1)
+        for i, (step, tag, *persist) in enumerate(saves):
+            last = i == len(saves) - 1
+            handle = eng.save(state(tag), step=step, persist=persist[0] if persist else last)
             assert handle is not None
             names.append(handle.name)
             handle.result()
+            if settle:
+                eng.wait()
         eng.wait()
         return names
 
@@ -143,3 +153,78 @@ def one_node_id_two_hosts(root: str, steps: int) -> None:
             assert handle is not None
             handle.result()
         eng.wait()
+
+
+def store_keys(root: str, nodes: list[str], saves: int, **options: Any) -> list[int]:
+    """Key count of the c10d store (rank 0) after construction and after each 10 saves."""
+    counts = []
+    with engine(root, nodes, **options) as eng:
+        store = eng.coordinator.store
+        dist.barrier()
+        counts.append(store.num_keys())
+        for step in range(1, saves + 1):
+            handle = eng.save(state(step), step=step)
+            assert handle is not None
+            handle.result()
+            if step % 10 == 0:
+                eng.wait()
+                time.sleep(0.2)
+                dist.barrier()
+                counts.append(store.num_keys())
+        eng.wait()
+    return counts
+
+
+def shared_local_root(root: str, nodes: list[str], saves: int) -> dict[str, Any]:
+    """Two node ids, one local directory (local_dirpath on NFS/Lustre, or a ReadWriteMany
+    volume): save, then recover; what the ranks saw."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    with CheckpointEngine(
+        os.path.join(root, "persistent"),
+        local_root=os.path.join(root, "shared"),
+        node=nodes[rank],
+        timeout=timedelta(seconds=20),
+        persist_every_n_saves=100,
+    ) as eng:
+        for step in range(1, saves + 1):
+            handle = eng.save(state(step), step=step)
+            assert handle is not None
+            handle.result()
+        eng.wait()
+        out["replica_failures"] = eng._tiers.replica_failures  # type: ignore[union-attr]
+    s = state(-1)
+    with CheckpointEngine(
+        os.path.join(root, "persistent"),
+        local_root=os.path.join(root, "shared"),
+        node=nodes[rank],
+        timeout=timedelta(seconds=20),
+    ) as eng:
+        eng.load(s)
+        out["tag"] = s["tag"]
+    return out
+
+
+def close_while_uploading(root: str, nodes: list[str]) -> dict[str, Any]:
+    """Rank 1's upload of the first persist stalls 3 s; saves 2 and 3 go on (local_keep=1);
+    close() right after. What each tier holds afterwards."""
+    import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
+    from lightning_elastic.testing.faults import Fault
+
+    rank = dist.get_rank()
+    faults = [Fault("write", "*.distcp", "stall", times=1, ranks=(1,), seconds=3.0)]
+    eng = CheckpointEngine(
+        "faulty://" + os.path.join(root, "persistent"),
+        storage_options={"faults": faults},
+        local_root=os.path.join(root, f"local_{nodes[rank]}"),
+        node=nodes[rank],
+        timeout=timedelta(seconds=20),
+        local_keep=1,
+    )
+    for step in (1, 2, 3):
+        handle = eng.save(state(step), step=step)
+        assert handle is not None
+        handle.result()
+    t = time.monotonic()
+    eng.close()
+    return {"close_s": round(time.monotonic() - t, 2), "failures": eng._tiers.persist_failures}  # type: ignore[union-attr]

@@ -50,6 +50,7 @@ from lightning_elastic.core.storage.base import Storage
 __all__ = [
     "DEFAULT_GRACE_S",
     "after_commit",
+    "apply_retention",
     "collect_garbage",
     "delete_checkpoint",
     "discard_uncommitted",
@@ -103,13 +104,27 @@ def after_commit(
         collect_garbage(
             storage, catalog, run_id=run_id, in_flight=(manifest.save_id,), grace_s=grace_s
         )
-        infos = catalog.scan()
-        doomed = plan_deletions(infos, retention, run_id=run_id, protected={*protected, name})
-        for info in doomed:
-            log.info("retention: deleting %s (step %s)", info.location, info.step)
-            delete_checkpoint(storage, catalog, info.name)
+        apply_retention(
+            storage, catalog, run_id=run_id, retention=retention, protected={*protected, name}
+        )
     except Exception as exc:
         log.warning("cleanup after committing %s failed: %r", name, exc, exc_info=True)
+
+
+def apply_retention(
+    storage: Storage,
+    catalog: Catalog,
+    *,
+    run_id: str,
+    retention: Sequence[RetentionPolicy],
+    protected: Collection[str],
+) -> None:
+    """Delete what ``retention`` no longer keeps of this run's checkpoints (``protected``
+    are kept whatever the policies say)."""
+    doomed = plan_deletions(catalog.scan(), retention, run_id=run_id, protected=protected)
+    for info in doomed:
+        log.info("retention: deleting %s (step %s)", info.location, info.step)
+        delete_checkpoint(storage, catalog, info.name)
 
 
 def collect_garbage(

@@ -33,7 +33,7 @@ from lightning_elastic.core.save.stage import Payload, direct_payload, stage_pay
 from lightning_elastic.core.save.write import write_shard
 from lightning_elastic.errors import Phase, RankFailure
 
-__all__ = ["finish_save", "stage_save"]
+__all__ = ["finish_save", "housekeep", "stage_save"]
 
 log = fork_safe_logger(__name__)  # also logs from the writer thread
 # Grace period ranks != 0 add to the deadline, so rank 0's verdict (naming the guilty rank)
@@ -73,16 +73,7 @@ def finish_save(
         raise decision.error(what)
     ctx.parent = planned.name  # the next save continues this one
     if manifest is not None:
-        after_commit(
-            ctx.storage,
-            ctx.catalog,
-            manifest,
-            name=planned.name,
-            run_id=ctx.run_id,
-            retention=ctx.retention,
-            protected=ctx.protected,
-            grace_s=ctx.leftover_grace_s,
-        )
+        housekeep(ctx, manifest)
     return SaveResult(
         name=planned.name,
         location=what,
@@ -93,6 +84,22 @@ def finish_save(
         writing_s=writing_s,
         total_s=time.monotonic() - planned.started,
         manifest=manifest,
+    )
+
+
+def housekeep(ctx: SaveContext, manifest: Manifest) -> None:
+    """After ``manifest`` was committed in ``ctx.storage``: its claim and strays, leftovers,
+    then ``ctx.retention`` (never a protected checkpoint: a frozen copy of the set, which the
+    training thread may change meanwhile)."""
+    after_commit(
+        ctx.storage,
+        ctx.catalog,
+        manifest,
+        name=manifest.name,
+        run_id=ctx.run_id,
+        retention=ctx.retention,
+        protected=frozenset(ctx.protected),
+        grace_s=ctx.leftover_grace_s,
     )
 
 

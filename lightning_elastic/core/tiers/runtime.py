@@ -43,9 +43,9 @@ from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
 from lightning_elastic.core.options import check_count
-from lightning_elastic.core.policy.housekeeping import after_commit
+from lightning_elastic.core.policy.housekeeping import apply_retention
 from lightning_elastic.core.policy.retention import RetentionPolicy
-from lightning_elastic.core.save.pipeline import finish_save
+from lightning_elastic.core.save.pipeline import finish_save, housekeep
 from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage
@@ -286,8 +286,12 @@ class TierSet:
         :meth:`wait`; the next save persists again."""
         future, name = self._persisting, self._persisting_name
         self._persisting = self._persisting_name = None
+        if future is not None:
+            with contextlib.suppress(Exception):
+                future.exception()  # done: the upload no longer reads the local copy
         if name is not None and name != ctx.resumed_from:
             ctx.protected.discard(name)  # local retention may delete it from now on
+            self._trim(ctx)
         if future is None:
             return
         try:
@@ -303,6 +307,23 @@ class TierSet:
             self._persisted_name = name
         else:
             self._since_persist = self.every  # skipped there: persist the next save
+
+    def _trim(self, ctx: SaveContext) -> None:
+        """A node's lead, no save in flight: apply the local retention now that an upload no
+        longer protects its checkpoint (otherwise only the next commit would, and a job that
+        ends keeps one checkpoint more than ``local_keep`` on each node)."""
+        if not self.layout.is_lead(ctx.coordinator.rank):
+            return
+        try:
+            apply_retention(
+                ctx.storage,
+                ctx.catalog,
+                run_id=ctx.run_id,
+                retention=ctx.retention,
+                protected=frozenset(ctx.protected),
+            )
+        except Exception as exc:
+            log.warning("local retention on node %s failed: %r", self.node, exc)
 
     # ------------------------------------------------------------------ background writer
 
@@ -407,16 +428,7 @@ class TierSet:
         except Exception:
             log.warning("could not commit %s on node %s", manifest.name, self.node, exc_info=True)
             return
-        after_commit(
-            ctx.storage,
-            ctx.catalog,
-            manifest,
-            name=manifest.name,
-            run_id=ctx.run_id,
-            retention=ctx.retention,
-            protected=frozenset(ctx.protected),
-            grace_s=ctx.leftover_grace_s,
-        )
+        housekeep(ctx, manifest)
 
     def transfers(self, manifest: Manifest) -> list[Transfer]:
         """The copies one save makes: each rank's shard to the leads of its replica nodes,
