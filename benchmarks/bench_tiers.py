@@ -16,10 +16,19 @@ round trip within a region). Measured in one invocation:
   recovery spent them, the tier and the bytes by source per node. A fresh interpreter's
   imports (torch, DCP, the engine) are timed apart: the forkserver of the spawn helper
   preloads them. Target: local and peer recovery >= 5x faster than persistent.
-* **throughput**: both ranks train (a fixed matmul step of ``--step-ms`` and a 1 MB all-reduce;
-  the state is not recomputed), in windows that alternate no checkpointing with a save every
+* **throughput**: both ranks train (a step of ``--step-ms``, then a 1 MB all-reduce; the state
+  is not recomputed), in windows that alternate no checkpointing with a save every
   ~``--save-every-s`` s (persisted every ``--persist-every``-th save, ~30 s); steps/s of each,
-  their ratio (target >= 0.95), and the seconds each save call blocked.
+  their ratio (target >= 0.95), and the seconds each save call blocked. Two kinds of step
+  (``--steps``), each measured apart:
+
+  - ``accelerator``: the step's compute runs on a device; the host thread waits for it (a
+    sleep, where a CUDA synchronize would block), so the host's cores are free for the
+    background work, as on a GPU node. The state is still host memory: staging is a host
+    copy, where a GPU node copies device to pinned host memory.
+  - ``cpu``: the step is matmuls on the host, one core per rank: training and every
+    background thread (writes, replication, persist) compete for the same 2 cores. This
+    bounds what a CPU-only job sees, not a GPU job.
 * **memory**: each local root's bytes (du) at the end and the most seen during training,
   against ``state / nodes x (1 + replicas) x local_keep`` (and ``x (local_keep + 1)`` while a
   save is written), and each rank's peak RSS.
@@ -73,6 +82,7 @@ class Config:
     local_keep: int
     replicas: int
     step_ms: float
+    steps: tuple[str, ...]  # the kinds of step measured ("accelerator", "cpu")
     save_every_s: float
     window_s: float
     rounds: int
@@ -158,18 +168,20 @@ def time_calls(module: Any, names: tuple[str, ...], into: dict[str, float]) -> N
 
 
 class Trainer:
-    """A fixed compute step (matmuls), then a 1 MB all-reduce as DDP's gradient sync would do;
-    it also carries rank 0's decisions (save now, window over) to every rank, as the
-    library's time triggers do."""
+    """A fixed step (``kind``: matmuls on the host, or the host waiting for a device), then
+    a 1 MB all-reduce as DDP's gradient sync would do; it also carries rank 0's decisions
+    (save now, window over) to every rank, as the library's time triggers do."""
 
-    def __init__(self, cfg: Config, state: dict[str, Any]) -> None:
-        self.state = state
+    def __init__(self, cfg: Config, state: dict[str, Any], kind: str) -> None:
+        self.state, self.kind, self.wait_s = state, kind, cfg.step_ms / 1e3
         self.a, self.b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
         self.c = torch.empty(MATMUL, MATMUL)
         self.grad = torch.zeros(256 * 1024)
         self.step = 0
         self.matmuls = 10
         self()  # untimed: first-call costs
+        if kind == "accelerator":
+            return
         for _ in range(3):  # full steps on both ranks at once, as in training
             t0 = time.perf_counter()
             for _ in range(5):
@@ -179,8 +191,11 @@ class Trainer:
             self.matmuls = max(1, round(self.matmuls * cfg.step_ms / 1e3 / float(took)))
 
     def __call__(self, save: bool = False, stop: bool = False) -> tuple[bool, bool]:
-        for _ in range(self.matmuls):
-            torch.mm(self.a, self.b, out=self.c)
+        if self.kind == "accelerator":
+            time.sleep(self.wait_s)  # the host waits for the device's step
+        else:
+            for _ in range(self.matmuls):
+                torch.mm(self.a, self.b, out=self.c)
         self.grad[0], self.grad[1] = float(save), float(stop)
         dist.all_reduce(self.grad)
         first = self.state["w0"].to_local()
@@ -278,25 +293,33 @@ def train_worker(cfg: Config) -> dict[str, Any]:
     torch.set_num_threads(1)  # two ranks on two cores
     rank = dist.get_rank()
     state = build_state(cfg, device_mesh(), zeros=False)
-    train = Trainer(cfg, state)
+    trainers = {kind: Trainer(cfg, state, kind) for kind in cfg.steps}
     engine = make_engine(cfg)
-    engine.save(state, step=train.step).result()  # warm-up: the arena, the plan, the lease
+    engine.save(state, step=0).result()  # warm-up: the arena, the plan, the lease
     engine.wait()
-    parts = instrument(engine)
+    timers = instrument(engine)
+    parts: dict[str, dict[str, list[float]]] = {}
     root = cfg.local_root(NODES[rank])
     windows: list[dict[str, Any]] = []
-    for _ in range(cfg.rounds):
-        for variant in ("none", "ckpt"):
-            use = engine if variant == "ckpt" else None
-            windows.append({"variant": variant, **run_window(train, use, cfg, root)})
+    step = 0
+    for kind, train in trainers.items():
+        marks = {key: len(times) for key, times in timers.items()}
+        train.step = step  # one run of steps: save names keep rising
+        for _ in range(cfg.rounds):
+            for variant in ("none", "ckpt"):
+                use = engine if variant == "ckpt" else None
+                run = run_window(train, use, cfg, root)
+                windows.append({"kind": kind, "variant": variant, **run})
+        step = train.step
+        parts[kind] = {key: times[marks[key] :] for key, times in timers.items()}
     t = time.perf_counter()
-    engine.save(state, step=train.step + 1, persist=True)  # the checkpoint recovery loads
+    engine.save(state, step=step + 1, persist=True)  # the checkpoint recovery loads
     engine.wait()
     final_s = time.perf_counter() - t
     out = {
         "rank": rank,
         "bytes": sum(v.to_local().nbytes for v in state.values()),
-        "matmuls": train.matmuls,
+        "matmuls": trainers.get("cpu", trainers[cfg.steps[0]]).matmuls,
         "windows": windows,
         "save_parts": parts,
         "final_save_persist_s": final_s,
@@ -383,9 +406,12 @@ def run_recoveries(cfg: Config, expected: list[list[float]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- report
 
 
-def summarize_throughput(train: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_throughput(train: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     def windows(variant: str) -> list[list[dict[str, Any]]]:
-        return [[w for w in res["windows"] if w["variant"] == variant] for res in train]
+        return [
+            [w for w in res["windows"] if w["variant"] == variant and w["kind"] == kind]
+            for res in train
+        ]
 
     def rate(variant: str) -> float:  # both ranks step together: the slower one's rate
         return min(
@@ -397,7 +423,7 @@ def summarize_throughput(train: list[dict[str, Any]]) -> dict[str, Any]:
     saves = sum(w["saves"] for w in ckpt) // len(train)
     # per save, the slower rank's mean seconds in each part (the persister: per persist)
     parts = {
-        key: max(statistics.mean(res["save_parts"][key] or [0.0]) for res in train)
+        key: max(statistics.mean(res["save_parts"][kind][key] or [0.0]) for res in train)
         for key in SAVE_PARTS
     }
     none_rate, ckpt_rate = rate("none"), rate("ckpt")
@@ -414,7 +440,7 @@ def summarize_throughput(train: list[dict[str, Any]]) -> dict[str, Any]:
         "commit_s_median": statistics.median(c for w in ckpt for c in w["commit_s"]),
         "drain_s_max": max(w["drain_s"] for w in ckpt),
         "parts_s": parts,
-        "persists": len(train[0]["save_parts"]["runtime.persist_checkpoint"]),
+        "persists": len(train[0]["save_parts"][kind]["runtime.persist_checkpoint"]),
     }
 
 
@@ -433,7 +459,9 @@ def summarize_memory(
                 "end_bytes": t["local_end_bytes"],
                 "peak_bytes": max(w["local_peak_bytes"] for w in t["windows"]),
                 "train_rss": t["peak_rss"],
-                "recover_rss": max(s["ranks"][t["rank"]]["peak_rss"] for s in scenarios.values()),
+                "recover_rss": max(
+                    (s["ranks"][t["rank"]]["peak_rss"] for s in scenarios.values()), default=0
+                ),
             }
             for t in train
         ],
@@ -479,16 +507,27 @@ def print_recovery(rec: dict[str, Any]) -> None:
         )
 
 
-def print_throughput(cfg: Config, thr: dict[str, Any], train: list[dict[str, Any]]) -> None:
+def print_throughput(
+    cfg: Config, kind: str, thr: dict[str, Any], train: list[dict[str, Any]]
+) -> None:
+    what = (
+        "the host waits for the device"
+        if kind == "accelerator"
+        else f"{train[0]['matmuls']} matmuls of {MATMUL} on the host"
+    )
     print(
-        f"\nthroughput  step {thr['step_s_none'] * 1e3:.0f} ms (median, no saves; {train[0]['matmuls']} "
-        f"matmuls of {MATMUL} + 1 MB all-reduce), a save every {cfg.save_every_s:g} s, persist "
+        f"\nthroughput, {kind} step: {thr['step_s_none'] * 1e3:.0f} ms (median, no saves; {what} + "
+        f"1 MB all-reduce), a save every {cfg.save_every_s:g} s, persist "
         f"every {cfg.persist_every} saves; {cfg.rounds} x ({cfg.window_s:.0f} s none, "
         f"{cfg.window_s:.0f} s with saves) interleaved"
     )
     print(
         "  load average (1 min) at each window's end: "
-        + ", ".join(f"{w['variant']} {w['loadavg_1min']:.1f}" for w in train[0]["windows"])
+        + ", ".join(
+            f"{w['variant']} {w['loadavg_1min']:.1f}"
+            for w in train[0]["windows"]
+            if w["kind"] == kind
+        )
     )
     print(
         f"  steps/s none {thr['steps_per_s_none']:.2f}, with saves {thr['steps_per_s_ckpt']:.2f}: "
@@ -525,8 +564,10 @@ def print_report(cfg: Config, out: dict[str, Any]) -> None:
         f"{cfg.latency * 1e3:.0f} ms/request. 2 cores shared by both ranks and all background "
         "work (staging, writes, replication, persist)."
     )
-    print_recovery(out["recovery"])
-    print_throughput(cfg, out["throughput"], out["train"])
+    if out["recovery"] is not None:
+        print_recovery(out["recovery"])
+    for kind, thr in out["throughput"].items():
+        print_throughput(cfg, kind, thr, out["train"])
     print_memory(out["memory"])
 
 
@@ -540,6 +581,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--persist-every", type=int, default=15)
     parser.add_argument("--local-keep", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=75.0)
+    parser.add_argument(
+        "--steps",
+        default="accelerator,cpu",
+        help="kinds of training step to measure, comma-separated (see above)",
+    )
+    parser.add_argument(
+        "--no-recovery", action="store_true", help="measure training only (no recovery scenarios)"
+    )
     parser.add_argument("--save-every-s", type=float, default=2.0)
     parser.add_argument("--window", type=float, default=30.0, help="seconds per window")
     parser.add_argument("--rounds", type=int, default=3)
@@ -561,6 +610,7 @@ def main() -> None:
         local_keep=args.local_keep,
         replicas=1,
         step_ms=args.step_ms,
+        steps=tuple(k for k in args.steps.split(",") if k),
         save_every_s=args.save_every_s,
         window_s=args.window,
         rounds=args.rounds,
@@ -570,21 +620,24 @@ def main() -> None:
     started = time.perf_counter()
     try:
         train = run_distributed(train_worker, 2, cfg, timeout=3600)
-        scenarios = run_recoveries(cfg, [t["fingerprint"] for t in train])
-        imports_s = fresh_imports_s()
+        scenarios: dict[str, Any] = {}
+        recovery: dict[str, Any] | None = None
+        if not args.no_recovery:
+            scenarios = run_recoveries(cfg, [t["fingerprint"] for t in train])
+            persistent_s = scenarios["persistent"]["worst_s"]
+            recovery = {
+                "scenarios": scenarios,
+                "fresh_imports_s": fresh_imports_s(),
+                "speedup": {n: persistent_s / scenarios[n]["worst_s"] for n in ("local", "peer")},
+            }
     finally:
         shutil.rmtree(local_base, ignore_errors=True)
         shutil.rmtree(remote, ignore_errors=True)
-    persistent_s = scenarios["persistent"]["worst_s"]
     out = {
         "config": {**asdict(cfg), "cores": os.cpu_count()},
         "targets": {"recovery_speedup": RECOVERY_TARGET, "throughput_ratio": RATIO_TARGET},
-        "recovery": {
-            "scenarios": scenarios,
-            "fresh_imports_s": imports_s,
-            "speedup": {n: persistent_s / scenarios[n]["worst_s"] for n in ("local", "peer")},
-        },
-        "throughput": summarize_throughput(train),
+        "recovery": recovery,
+        "throughput": {kind: summarize_throughput(train, kind) for kind in cfg.steps},
         "memory": summarize_memory(cfg, train, scenarios),
         "train": train,
         "runtime_s": time.perf_counter() - started,
