@@ -17,6 +17,7 @@ __all__ = [
     "dcp_zstd_available",
     "elastic_agent_class",
     "flatten_dense",
+    "flatten_nested",
     "foreach_copy",
     "load_planner_mappings",
     "missing",
@@ -34,6 +35,9 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # DCP's stream extensions (zstd frames in shard files, ``stream.zstd/1`` descriptors)
     ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
     ("torch.distributed.checkpoint._extension", "ZStandard.is_available"),
+    # DCP's flattening of a nested state into FQNs, as its planners flatten (a load's files are
+    # planned without a planner: core/load/load.py files_to_read)
+    ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
     # DefaultLoadPlanner keeps the flattening map and the caller's dict as attributes
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner"),
     # DefaultSavePlanner keeps the flattened state, its map and its plan as attributes: a
@@ -81,6 +85,15 @@ def dcp_zstd_available() -> bool:
     from torch.distributed.checkpoint._extension import ZStandard
 
     return bool(ZStandard.is_available())
+
+
+def flatten_nested(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``(FQN -> value, FQN -> original path)``: the nested ``state`` flattened as DCP's
+    default planners flatten it."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, mappings = flatten_state_dict(state)
+    return flat, mappings
 
 
 def load_planner_mappings(planner: Any) -> tuple[dict[str, Any], Any]:

@@ -234,6 +234,7 @@ class CheckpointEngine:
             arena=HostArena(pin_memory=torch.cuda.is_available()),
             retention=local_retention,
             leftover_grace_s=grace.total_seconds(),
+            small_replicated_to_lowest=self._tiers is not None,
         )
         self.last_recovery: Recovery | None = None  # multi-tier: what the last load did
         self._explicit_run = run_id is not None

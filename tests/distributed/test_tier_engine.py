@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from lightning_elastic.testing.spawn import run_distributed
-from tests.distributed.tier_engine_workers import load_latest, persist_fails, save_steps
+from tests.distributed.tier_engine_workers import (
+    files_read,
+    load_latest,
+    load_sharded,
+    persist_fails,
+    save_steps,
+    sharded_steps,
+)
 
 pytestmark = pytest.mark.timeout(180)
 NODES = ["a", "b"]
@@ -121,13 +128,14 @@ def test_without_replicas_a_lost_node_is_recovered_from_the_persistent_tier(tmp_
     shutil.rmtree(tmp_path / "local_b")
     got = run_distributed(load_latest, 2, str(tmp_path), NODES, replicas=0)
     assert [g["step"] for g in got] == [3, 3]
-    # a load may read any shard (replicated tensors live in one rank's file), so every node
-    # gets every file. b's lost shard is downloaded ONCE (by a, which has less to download)
-    # and passed on to b with a's own files: one copy of egress, whatever the node count
+    # each node gets the files its ranks read: their own and rank 0's (the small replicated
+    # rest). a has both; b gets rank 0's from a and only its own lost shard from the
+    # persistent tier
     a, b = (g["recovery"]["bytes"] for g in got)
     assert [g["recovery"]["plan_tier"] for g in got] == ["persistent", "persistent"]
-    assert [g["recovery"]["tier"] for g in got] == ["persistent", "peer"]
-    assert b["persistent"] == 0 and b["peer"] == a["local"] + a["persistent"] > a["persistent"] > 0
+    assert [g["recovery"]["tier"] for g in got] == ["local", "persistent"]
+    assert a["peer"] == a["persistent"] == 0 and b["local"] == 0
+    assert b["peer"] == a["local"] and 0 < b["persistent"] < a["local"]
 
 
 def test_a_failing_persistent_tier_never_stops_local_commits_and_wait_raises(tmp_path) -> None:
@@ -152,3 +160,45 @@ def test_restarts_more_often_than_the_persist_cadence_still_move_the_persistent_
     # resumed from step 4 (not persisted either): step 5 is persisted, then every third
     run_distributed(save_steps, 2, str(tmp_path), NODES, [5, 6, 7, 8], resume=True, **every)
     assert names(tmp_path / "persistent") == ["step_000000003", "step_000000005", "step_000000008"]
+
+
+def test_the_files_a_load_plans_to_read_are_the_files_it_reads(tmp_path) -> None:
+    """Recovery gives each node only the files its ranks read, planned before the load: the
+    plan must name every file the load then reads (a missing one fails the load). With a
+    sharded state a rank reads its own file and rank 0's (small replicated items, objects
+    and per-rank lists are written by the lowest rank, not spread over every file)."""
+    got = run_distributed(
+        files_read, 3, str(tmp_path), ["a", "b", "c"], ["same", "none", "partial"]
+    )
+    for rank, shapes in enumerate(got):
+        for shape, files in shapes.items():
+            assert files["planned"] == files["read"], (rank, shape, files)
+        ranks = sorted(int(f[-11:-7]) for f in shapes["partial"]["read"] if f.endswith(".distcp"))
+        assert ranks == sorted({0, rank}), shapes
+
+
+def test_each_node_gets_only_the_files_its_ranks_read(tmp_path) -> None:
+    """Three nodes, one rank each, a sharded state, replicas on the next node of the ring
+    (a's on b, b's on c, c's on a). Each rank reads its own file and rank 0's (the small
+    replicated rest), so a restart moves no other shard between nodes, and a replaced node
+    gets those two files (and the DCP metadata), not the whole checkpoint."""
+    nodes = ["a", "b", "c"]
+    run_distributed(sharded_steps, 3, str(tmp_path), nodes, [1, 2], persist_every_n_saves=10)
+    ckpt = "step_000000002"
+    manifest = json.loads((tmp_path / "local_a" / ckpt / "manifest.json").read_text())
+    size = {f.get("rank"): f["size"] for f in manifest["files"]}
+    got = run_distributed(load_sharded, 3, str(tmp_path), nodes)
+    assert all(g["ok"] and g["step"] == 2 for g in got), got
+    bytes_ = [g["recovery"]["bytes"] for g in got]
+    # a holds its own and c's shards, b its own and a's: nothing moves; c lacks rank 0's
+    assert [b["peer"] for b in bytes_] == [0, 0, size[0]]
+    assert all(b["persistent"] == 0 for b in bytes_)
+    shutil.rmtree(tmp_path / "local_c")
+    got = run_distributed(load_sharded, 3, str(tmp_path), nodes)
+    assert all(g["ok"] and g["step"] == 2 for g in got), got
+    c = got[2]["recovery"]
+    assert c["tier"] == "peer" and c["bytes"]["local"] == 0 and c["bytes"]["persistent"] == 0
+    assert c["bytes"]["peer"] == size[0] + size[2] + size[None]  # not b's shard
+    held = files(tmp_path / "local_c" / ckpt)
+    assert sum(f.endswith(".distcp") for f in held) == 2 and "manifest.json" in held, held
+    assert not any(f.endswith("rank00001.distcp") for f in held), held

@@ -116,3 +116,99 @@ def persist_fails(root: str, nodes: list[str]) -> dict[str, Any]:
             out["wait_error"] = f"{type(exc).__name__}: {exc}"
         out["persist_failures"] = eng._tiers.persist_failures  # type: ignore[union-attr]
     return out
+
+
+def sharded_state(step: int, zeros: bool = False) -> dict[str, Any]:
+    """A row-sharded DTensor per rank (as FSDP holds parameters), a replicated tensor and an
+    object: what each rank reads of a checkpoint depends on the layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.zeros(64, 32) if zeros else torch.full((64, 32), float(100 * step + rank))
+    return {
+        "shards": DTensor.from_local(local, mesh, [Shard(0)]),
+        "w": torch.zeros(256) if zeros else torch.arange(256.0) + step,
+        "meta": {"step": -1 if zeros else step},
+    }
+
+
+def files_read(root: str, nodes: list[str], shapes: list[str]) -> dict[str, Any]:
+    """Save a sharded state with a per-rank entry and rank state (tiered, persisted), then
+    for each load shape of the persisted copy
+    the files ``files_to_read`` plans and the files the load reads (ShardReader.read_data
+    patched to note them): ``same`` (the saved structure), ``none`` (state=None, the whole
+    checkpoint), ``partial`` (strict=False, a subset)."""
+    from lightning_elastic.core.format.catalog import Catalog
+    from lightning_elastic.core.load import load as load_mod
+    from lightning_elastic.core.load.reader import ShardReader
+    from lightning_elastic.core.storage.base import Storage
+
+    rank = dist.get_rank()
+    path = os.path.join(root, "persistent")  # holds every file once persisted
+    with engine(root, nodes) as eng:
+        state = sharded_state(3)
+        state["mine"] = torch.full((16,), float(rank))
+        eng.save(state, step=3, rank_state={"rank": rank}, blocking=True, persist=True)
+        eng.wait()
+        coord = eng.coordinator
+    read: set[str] = set()
+    original = ShardReader.read_data
+
+    def noting(self: Any, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            read.add(self.metadata.storage_data[item.storage_index].file)
+        return original(self, plan, planner)
+
+    ShardReader.read_data = noting  # type: ignore[method-assign]
+    storage = Storage(path)
+    info = Catalog(storage).valid()[0]
+    out: dict[str, Any] = {}
+    try:
+        for shape in shapes:
+            target: dict[str, Any] | None = sharded_state(0, zeros=True)
+            strict = True
+            if shape == "same":
+                target["mine"] = torch.zeros(16)  # type: ignore[index]
+            elif shape == "none":
+                target = None
+            else:  # partial: the sharded tensor only
+                target = {"shards": target["shards"]}  # type: ignore[index]
+                strict = False
+            planned = load_mod.files_to_read(storage, coord, info, target, strict=strict)
+            read.clear()
+            load_mod.load_checkpoint(storage, coord, info, target, strict=strict)
+            out[shape] = {"planned": sorted(planned or ()), "read": sorted(read)}
+    finally:
+        ShardReader.read_data = original  # type: ignore[method-assign]
+    return out
+
+
+def sharded_steps(root: str, nodes: list[str], steps: list[int], **options: Any) -> None:
+    """Save :func:`sharded_state` at ``steps`` (tiers, not persisted unless the cadence says)."""
+    with engine(root, nodes, **options) as eng:
+        for step in steps:
+            eng.save(sharded_state(step), step=step, rank_state={"rank": dist.get_rank()})
+        eng.wait()
+
+
+def load_sharded(root: str, nodes: list[str], **options: Any) -> dict[str, Any]:
+    """Recover :func:`sharded_state`; the record, and whether every value is the saved one."""
+    rank = dist.get_rank()
+    state = sharded_state(0, zeros=True)
+    with engine(root, nodes, **options) as eng:
+        result = eng.load(state)
+        rec = eng.last_recovery
+        assert rec is not None
+    step = state["meta"]["step"]
+    local = state["shards"].to_local()
+    return {
+        "recovery": rec.to_json(),
+        "step": step,
+        "ok": bool(
+            torch.equal(local, torch.full((64, 32), float(100 * step + rank)))
+            and torch.equal(state["w"], torch.arange(256.0) + step)
+            and result.rank_state == {"rank": rank}
+        ),
+    }

@@ -206,13 +206,13 @@ def shared_local_root(root: str, nodes: list[str], saves: int) -> dict[str, Any]
 
 
 def close_while_uploading(root: str, nodes: list[str]) -> dict[str, Any]:
-    """Rank 1's upload of the first persist stalls 3 s; saves 2 and 3 go on (local_keep=1);
+    """Rank 0's upload of the first persist stalls 3 s; saves 2 and 3 go on (local_keep=1);
     close() right after. What each tier holds afterwards."""
     import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
     from lightning_elastic.testing.faults import Fault
 
     rank = dist.get_rank()
-    faults = [Fault("write", "*.distcp", "stall", times=1, ranks=(1,), seconds=3.0)]
+    faults = [Fault("write", "*.distcp", "stall", times=1, ranks=(0,), seconds=3.0)]
     eng = CheckpointEngine(
         "faulty://" + os.path.join(root, "persistent"),
         storage_options={"faults": faults},

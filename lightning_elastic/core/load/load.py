@@ -19,19 +19,22 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from lightning_elastic.core._compat import load_planner_mappings
+from lightning_elastic.core._compat import flatten_nested, load_planner_mappings
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
-from lightning_elastic.core.format.dcp_json import read_checkpoint_metadata
+from lightning_elastic.core.format.dcp_json import ItemLocation, read_checkpoint_metadata
 from lightning_elastic.core.format.integrity import Problem
 from lightning_elastic.core.format.manifest import Manifest
 from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
@@ -61,6 +64,7 @@ __all__ = [
     "CorruptWhileLoading",
     "LoadResult",
     "Targets",
+    "files_to_read",
     "load_checkpoint",
     "read_full_state",
     "read_into",
@@ -217,6 +221,48 @@ def _load_checkpoint(
         state=state,
         per_rank=paths,
     )
+
+
+def files_to_read(
+    storage: Storage,
+    coord: Coordinator,
+    info: CheckpointInfo,
+    state: dict[str, Any] | None,
+    *,
+    strict: bool = True,
+    targets: Targets | None = None,
+) -> set[str] | None:
+    """The shard files :func:`load_checkpoint` on this rank reads with the same arguments
+    (names in the checkpoint directory), planned as DCP plans that load - the same templates,
+    DCP's own flattening and local load plan - without reading or allocating anything: what a
+    node needs of ``info`` before this rank loads (multi-tier recovery). Only the DCP metadata
+    must be in ``storage``. ``None`` when the load cannot be planned (it will fail, and say
+    why, when it runs)."""
+    assert info.manifest is not None
+    try:
+        metadata, skeleton = read_checkpoint_metadata(storage.child(info.name), info.manifest)
+        storage_data = cast(dict[MetadataIndex, ItemLocation], metadata.storage_data)
+        files: set[str] = set()
+
+        def plan(tree: dict[str, Any], strict: bool) -> None:
+            flat, _ = flatten_nested({str(k): v for k, v in tree.items()})
+            for item in create_default_local_load_plan(flat, metadata, strict).items:
+                files.add(storage_data[item.storage_index].file)
+
+        if state is None:  # as _load_checkpoint: the whole state, into a template
+            state = _template(metadata, skeleton, (), targets, device="meta") or {}
+            state.pop(RANK_LOCAL_KEY, None)
+            strict = True
+        if state:
+            plan(state, strict)
+        for prefix in ((RANK_LOCAL_KEY, str(coord.rank)), (PER_RANK_KEY,)):
+            template = _template(metadata, skeleton, prefix, device="meta")
+            if template:
+                plan(template, True)
+    except Exception as exc:
+        log.debug("cannot plan the files a load of %s reads: %r", info.location, exc)
+        return None
+    return files
 
 
 def _agree_integrity(
@@ -428,10 +474,11 @@ def _template(
     skeleton: Skeleton,
     prefix: tuple[str, ...],
     targets: Targets | None = None,
+    device: str | None = None,
 ) -> Any:
     """An empty nested state shaped like what was saved under ``prefix`` (tensors allocated,
-    or taken from ``targets``; objects ``None``), for DCP to load into; ``None`` when nothing
-    was saved there."""
+    on ``device``, or taken from ``targets``; objects ``None``), for DCP to load into;
+    ``None`` when nothing was saved there."""
     leaves = {tuple(path): fqn for fqn, path in (metadata.planner_data or {}).items()}
 
     def leaf(path: tuple[str | int, ...]) -> Any:
@@ -441,7 +488,7 @@ def _template(
             target = None if targets is None else targets(path, md.size, md.properties.dtype)
             if target is not None:
                 return target
-            return torch.empty(md.size, dtype=md.properties.dtype)
+            return torch.empty(md.size, dtype=md.properties.dtype, device=device)
         return None
 
     if skeleton is None:

@@ -1,7 +1,8 @@
 """The plan phase of a save: which rank writes which item, and where.
 
 DCP's ``DefaultSavePlanner`` builds each rank's local plan; a global plan deduplicates
-replicated items (each is written by exactly one rank, balancing bytes). Exchanging plans is
+replicated items (each is written by exactly one rank, balancing bytes; multi-tier, the
+small ones by rank 0: :func:`small_replicated_to_lowest`). Exchanging plans is
 two object collectives, 5-20 ms per save on gloo here, although between two saves of a
 training run the plans almost never change. So (every rank, together):
 
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -44,7 +46,13 @@ from lightning_elastic.core.save.request import PlannedSave
 from lightning_elastic.core.save.walk import StateWalk, walk_state
 from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError, Phase
 
-__all__ = ["PlanCache", "plan_save"]
+__all__ = [
+    "SMALL_REPLICATED_BUDGET",
+    "SMALL_REPLICATED_BYTES",
+    "PlanCache",
+    "plan_save",
+    "small_replicated_to_lowest",
+]
 
 if TYPE_CHECKING:
     from lightning_elastic.core.save.request import SaveContext, SaveRequest
@@ -140,7 +148,10 @@ def plan_save(
         def global_fn(locals_: list[tuple[SavePlan, Skeleton]]) -> list[SavePlan]:
             if name_error is not None:
                 raise name_error
-            plans, kept["metadata"] = planner.create_global_plan([p for p, _ in locals_])
+            plans = [p for p, _ in locals_]
+            if ctx.small_replicated_to_lowest:
+                plans = small_replicated_to_lowest(plans)
+            plans, kept["metadata"] = planner.create_global_plan(plans)
             merged_shape: Skeleton = None
             for _, rank_shape in locals_:
                 merged_shape = merge(merged_shape, rank_shape)
@@ -273,3 +284,44 @@ def _claimed_alone(storage: Storage, name: str) -> bool:
     two saves in one directory."""
     names = {e.name for e in storage.listdir(name)}
     return STAGING_FILE in names and not holds_checkpoint_files(names - {STAGING_FILE})
+
+
+#: replicated items below this size are written by the lowest rank holding them, up to
+#: ``SMALL_REPLICATED_BUDGET`` bytes in all (the rest is balanced, as DCP balances)
+SMALL_REPLICATED_BYTES = 1 << 20
+SMALL_REPLICATED_BUDGET = 64 << 20
+
+
+def small_replicated_to_lowest(plans: list[SavePlan]) -> list[SavePlan]:
+    """Rank 0 (the coordinator's global plan): keep each small replicated item (one in
+    several ranks' plans: below ``SMALL_REPLICATED_BYTES``, or an object) only in the lowest
+    of those ranks' plans, up to ``SMALL_REPLICATED_BUDGET`` bytes in all; DCP's
+    deduplication then balances the rest across ranks, large items first among them.
+
+    A rank that loads its own shards thus reads its own file and the lowest rank's (the small
+    replicated rest: optimizer steps, norms, buffers, loop state), not a sliver of every
+    rank's file; multi-tier recovery fetches a node the files its ranks read, so with a
+    sharded state a node needs two files, not all (core/tiers/restore.py). The budget bounds
+    what rank 0 writes beyond its share (a replicated model of many small tensors)."""
+    holders: dict[Any, list[int]] = defaultdict(list)
+    sizes: dict[Any, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            holders[item.index].append(rank)
+            sizes[item.index] = item.tensor_storage_size() or 0
+    small: set[Any] = set()
+    budget = SMALL_REPLICATED_BUDGET
+    for index, ranks in holders.items():  # plan order: the same on every run
+        size = sizes[index]
+        if len(ranks) > 1 and size < SMALL_REPLICATED_BYTES and size <= budget:
+            small.add(index)
+            budget -= size
+    out = []
+    for rank, plan in enumerate(plans):
+        items = [
+            item
+            for item in plan.items
+            if item.index not in small or rank == min(holders[item.index])
+        ]
+        out.append(plan if len(items) == len(plan.items) else replace(plan, items=items))
+    return out

@@ -53,6 +53,9 @@ class SaveContext:
     leftover_grace_s: float = 1200.0  # age after which anyone's leftovers are garbage
     sequence_floor: int = 0  # commits draw sequences above it (multi-tier: every tier's newest)
     reserved_names: set[str] = field(default_factory=set)  # rank 0 never claims these (tiers)
+    # rank 0 writes the small replicated items (save/plan.py small_replicated_to_lowest):
+    # multi-tier, so a node's ranks read two files of a sharded state, not every file
+    small_replicated_to_lowest: bool = False
 
 
 @dataclass(frozen=True)

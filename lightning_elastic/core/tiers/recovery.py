@@ -21,7 +21,8 @@ Rules:
    When they are the same checkpoint and the nodes hold all of it, the nodes win (faster). Every
    newer candidate passed over is named in :attr:`RecoveryPlan.skipped` with the reason.
 2. **Fetches** (``need="all"``: a load at any world size may read any shard, so every node needs
-   every file; the parameter leaves room for a "files my ranks read" mode). A file a node lacks is
+   every file; :meth:`RecoveryPlan.narrowed` keeps the fetches of the files a node's ranks
+   read, once they are known). A file a node lacks is
    fetched by that node's receiving rank (its lowest) from the holding node with the fewest bytes
    assigned as a source so far (ties: node id order), sending from that node's lowest rank. Files
    are assigned largest first so the greedy split stays balanced. A file no node holds (only when
@@ -43,7 +44,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -147,6 +148,14 @@ class RecoveryPlan:
     fetches: tuple[Fetch, ...] = ()
     local_bytes: int = 0
     skipped: Mapping[str, str] = field(default_factory=dict)
+
+    def narrowed(self, needs: Mapping[int, Collection[str]]) -> RecoveryPlan:
+        """The plan with only the fetches of files their node needs: ``needs`` maps a node's
+        receiving rank to the files its ranks read (a node not in it keeps every fetch)."""
+        fetches = tuple(
+            f for f in self.fetches if f.dst_rank not in needs or f.file in needs[f.dst_rank]
+        )
+        return replace(self, fetches=fetches, tier=_tier(fetches))
 
     def bytes_by_source(self) -> dict[str, int]:
         """Bytes each source provides: ``"local"`` (already on the node), ``"peer"`` and

@@ -29,14 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, FileRecord, Manifest
-from lightning_elastic.core.load.load import LoadResult, Targets, load_checkpoint
+from lightning_elastic.core.load.load import LoadResult, Targets, files_to_read, load_checkpoint
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED
 from lightning_elastic.core.save.request import SaveContext
@@ -64,6 +64,7 @@ log = fork_safe_logger(__name__)
 _ATTEMPTS = 6  # each retry follows a deleted corrupt copy or a quarantined checkpoint
 _PERSISTENT_CANDIDATES = 3
 _CHUNK = 16 * 2**20
+_TIERS = ("none", "local", "peer", "persistent")  # slowest last
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,30 @@ def recover(
         text = _manifest_text(tiers, ctx, choice, name)
         _drop_conflicting(tiers, ctx, choice, name)
         manifest = Manifest.from_json(text, ctx.storage.display(name))
-        if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, surveys):
-            continue  # a node's copy was corrupt: it holds less now
-        bad = _fetch(tiers, ctx, manifest, plan)
+        needs: dict[int, set[str]] = {}
+        done: list[RecoveryPlan] = []  # plans whose fetches were made (for the record)
+        if manifest.world_size == coord.world_size:
+            # the same world: each node gets the files its ranks read (and would upload),
+            # known once the DCP metadata is there; at another world size every node gets
+            # every file (a world-size change reads every saved rank's state)
+            first = _global_files(manifest)
+            leads = {tiers.layout.lead(node): first for node in tiers.layout.names}
+            done.append(plan.narrowed(leads))
+            bad = _gather(tiers, ctx, manifest, done[-1], surveys, verify, first)
+            if bad is not None:
+                excluded |= bad
+                continue
+            needs = _needs(tiers, ctx, manifest, state, strict, targets)
+            plan = plan.narrowed({lead: files - first for lead, files in needs.items()})
+        mine = needs.get(tiers.layout.lead(tiers.node))
+        bad = _gather(tiers, ctx, manifest, plan, surveys, verify, mine)
         if bad is not None:
             excluded |= bad
             continue
         info, result = _load(
             tiers, ctx, state, name, text, strict, trusted, per_rank_rules, targets
         )
-        record = _record(tiers, ctx, info, plan, time.monotonic() - start)
+        record = _record(tiers, ctx, info, [*done, plan], time.monotonic() - start, mine)
         assert info.manifest is not None
         tiers.resumed(info.manifest, persisted=choice.winners[name].persisted)
         return info, result, record
@@ -155,6 +170,60 @@ def recover(
         f"recovery gave up after {_ATTEMPTS} attempts (corrupt copies kept turning up); "
         "inspect the node-local roots with `lightning-elastic ls DIR --local PATH`",
     )
+
+
+def _gather(
+    tiers: TierSet,
+    ctx: SaveContext,
+    manifest: Manifest,
+    plan: RecoveryPlan,
+    surveys: Sequence[_Survey],
+    verify: str,
+    files: Collection[str] | None,
+) -> set[str] | None:
+    """Verify the node's copies among ``files`` (``None``: all) with ``verify="full"``, then
+    make the plan's fetches. ``None`` when done, else what to exclude from the next attempt
+    (an empty set: a corrupt copy was deleted, the nodes hold less now)."""
+    if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, surveys, files):
+        return set()
+    return _fetch(tiers, ctx, manifest, plan)
+
+
+def _global_files(manifest: Manifest) -> set[str]:
+    """The files of no rank (the DCP metadata): every node needs them."""
+    return {f"{manifest.name}/{f.path}" for f in manifest.files if f.rank is None}
+
+
+def _needs(
+    tiers: TierSet,
+    ctx: SaveContext,
+    manifest: Manifest,
+    state: dict[str, Any] | None,
+    strict: bool,
+    targets: Targets | None,
+) -> dict[int, set[str]]:
+    """Every rank, once each node holds the DCP metadata: the files each node needs, by its
+    lead rank - what its ranks' loads read (:func:`files_to_read`), the files they upload
+    if this checkpoint is persisted from here (``persist_checkpoint``: a file of saved rank
+    ``r`` by rank ``r % world``) and the metadata. A node with a rank that cannot plan its
+    load is left out (it gets every file)."""
+    coord, name = ctx.coordinator, manifest.name
+    info = CheckpointInfo(name, ctx.storage.display(name), VALID, manifest)
+
+    def mine() -> list[str] | None:
+        files = files_to_read(ctx.storage, coord, info, state, strict=strict, targets=targets)
+        if files is None:
+            return None
+        uploads = {f.path for f in manifest.files if (f.rank or 0) % coord.world_size == coord.rank}
+        return sorted(f"{name}/{path}" for path in files | uploads)
+
+    gathered = coord.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
+    needs: dict[int, set[str]] = {}
+    for node, ranks in tiers.layout.nodes:
+        wanted = [gathered[r] for r in ranks]
+        if all(w is not None for w in wanted):
+            needs[tiers.layout.lead(node)] = {f for w in wanted if w for f in w}
+    return {lead: files | _global_files(manifest) for lead, files in needs.items()}
 
 
 def _error(ctx: SaveContext, what: str, message: str) -> CheckpointLoadError:
@@ -348,9 +417,11 @@ def _drop_corrupt(
     manifest: Manifest,
     plan: RecoveryPlan,
     surveys: Sequence[_Survey],
+    files: Collection[str] | None = None,
 ) -> bool:
-    """Each lead hashes its node's copies of the chosen checkpoint; corrupt ones are deleted.
-    ``True`` (everywhere) when some node had one."""
+    """Each lead hashes its node's copies of the chosen checkpoint (among ``files``: those
+    its ranks read; ``None``: all); corrupt ones are deleted. ``True`` (everywhere) when some
+    node had one."""
     rank, name = ctx.coordinator.rank, manifest.name
 
     def check() -> list[str]:
@@ -365,6 +436,8 @@ def _drop_corrupt(
             rel = f"{name}/{record.path}"
             if rel not in scan.checkpoints.get(name, {}) or rel in sent:
                 continue
+            if files is not None and rel not in files:
+                continue  # not read here: checked where it is read (or sent)
             got = ctx.storage.hash_file(rel, manifest.checksum_algorithm)
             if got.checksum != record.checksum:
                 log.warning(
@@ -502,14 +575,25 @@ def _load(
 
 
 def _record(
-    tiers: TierSet, ctx: SaveContext, info: CheckpointInfo, plan: RecoveryPlan, seconds: float
+    tiers: TierSet,
+    ctx: SaveContext,
+    info: CheckpointInfo,
+    plans: Sequence[RecoveryPlan],
+    seconds: float,
+    needed: Collection[str] | None,
 ) -> Recovery:
-    """This rank's recovery record, logged."""
+    """This rank's recovery record, logged: the fetches of ``plans`` (each made in turn; the
+    last is the plan), and the bytes its node needed (``needed``: the files its ranks read;
+    ``None``: the whole checkpoint)."""
     lead = tiers.layout.lead(tiers.node)
-    downloads, relays = _routes(plan)
-    total = info.manifest.total_bytes if info.manifest is not None else 0
+    plan = plans[-1]
+    routes = [_routes(p) for p in plans]
+    manifest = info.manifest
+    total = manifest.total_bytes if manifest is not None else 0
+    if needed is not None and manifest is not None:
+        total = sum(f.size for f in manifest.files if f"{info.name}/{f.path}" in needed)
     by_source = {"local": 0, "peer": 0, "persistent": 0}
-    for f in [*downloads, *relays]:
+    for f in (f for downloads, relays in routes for f in [*downloads, *relays]):
         if f.dst_rank == lead:
             by_source[f.source] += f.size
     by_source["local"] = max(0, total - by_source["peer"] - by_source["persistent"])
@@ -519,7 +603,14 @@ def _record(
     elif by_source["peer"]:
         tier = "peer"
     record = Recovery(
-        info.name, info.step, tier, plan.tier, tiers.node, by_source, seconds, dict(plan.skipped)
+        info.name,
+        info.step,
+        tier,
+        max((p.tier for p in plans), key=_TIERS.index),  # the slowest any node used
+        tiers.node,
+        by_source,
+        seconds,
+        dict(plan.skipped),
     )
     # a warning so every rank's line shows without logging configured (torchrun's workers):
     # which tier a restart read is what an operator looks for first
