@@ -272,6 +272,13 @@ class CheckpointEngine:
         return self._tiers is not None
 
     @property
+    def load_storage(self) -> Storage:
+        """Where loads read checkpoints: the root, or with ``local_root`` the node-local root
+        (recovery gathers the checkpoint there from the fastest tier; ``dirpath`` may not
+        hold it)."""
+        return self._ctx.storage
+
+    @property
     def arena(self) -> HostArena:
         """The host buffer asynchronous saves stage into, reused across saves."""
         return self._ctx.arena

@@ -328,7 +328,7 @@ class ElasticSession:
             metrics: dict[str, Any] = {}
             if self.ensure_coordinator().rank == 0:
                 per_rank = read_rank_states(
-                    engine.storage, result.info, "metrics", trusted=self.trusted
+                    engine.load_storage, result.info, "metrics", trusted=self.trusted
                 )
                 metrics = fold_metric_states(self.trainer.lightning_module, list(per_rank.values()))
             self.pending_rank_state["metrics"] = metrics

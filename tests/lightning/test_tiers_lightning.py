@@ -44,6 +44,24 @@ def test_a_killed_run_resumes_from_the_local_tier_then_from_the_persistent_one(t
     assert again[0]["recovery"]["checkpoint"] == "step_000000020"
 
 
+def test_a_world_size_change_resumes_from_a_checkpoint_only_the_local_tier_holds(
+    tmp_path,
+) -> None:
+    """2 processes saved steps 5 and 10 locally, none persisted yet, and were killed; the
+    job comes back with 1 process. A world-size change folds every saved rank's metric
+    state into rank 0, read where the checkpoint was recovered (the node-local root), not
+    from dirpath, which does not hold it."""
+    tiers = {"local_dirpath": str(tmp_path / "local"), "persist_every_n_saves": 3}
+    run = str(tmp_path / "run")
+    run_distributed(workers.fit, 2, run, MAX_STEPS, 13, may_die={0, 1}, **tiers)
+    assert steps(tmp_path / "local") == [5, 10] and steps(tmp_path / "run" / "ckpts") == []
+    (resumed,) = run_distributed(workers.fit, 1, run, MAX_STEPS, devices=1, **tiers)
+    rec = resumed["recovery"]
+    assert rec["checkpoint"] == "step_000000010" and rec["tier"] == "local"
+    assert resumed["global_step"] == MAX_STEPS
+    assert steps(tmp_path / "run" / "ckpts")[-1] == MAX_STEPS  # the end is persisted
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
