@@ -1,0 +1,85 @@
+"""Multi-tier checkpoints, third hostile review: recovery that gives each node only the
+files its ranks read (core/tiers/restore.py), and what a partial node-local copy means for
+the restarts after it. Three nodes a, b, c, one rank each, replicas on the next node of the
+ring (a's on b, b's on c, c's on a)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic.testing.spawn import run_distributed
+from tests.distributed.tier_engine_workers import load_sharded, sharded_steps
+from tests.faults.tier_hostile3_workers import (
+    load_nested,
+    load_sharded_then_persist,
+    load_with_extra_key,
+    nested_steps,
+)
+
+pytestmark = [pytest.mark.timeout(240)]
+NODES = ["a", "b", "c"]
+CKPT = "step_000000002"
+
+
+def held(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def replaced_c_recovers_partially(tmp_path: Path, check_partial: bool = True) -> None:
+    """Steps 1, 2 saved (only step 1 persisted); node c is replaced and recovers step 2
+    holding rank 0's and its own shard only (b's shard, whose replica c held, is gone)."""
+    run_distributed(sharded_steps, 3, str(tmp_path), NODES, [1, 2], persist_every_n_saves=10)
+    assert not (tmp_path / "persistent" / CKPT / "manifest.json").exists()
+    shutil.rmtree(tmp_path / "local_c")
+    got = run_distributed(load_sharded, 3, str(tmp_path), NODES)
+    assert all(g["ok"] and g["step"] == 2 for g in got), got
+    if check_partial:
+        assert not any(f.endswith("rank00001.distcp") for f in held(tmp_path / "local_c" / CKPT))
+
+
+def test_a_second_node_loss_after_a_partial_recovery_still_recovers_the_newest(
+    tmp_path: Path,
+) -> None:
+    """BUG (regression of the need-based recovery). Before the change the replaced node c got
+    every file of step 2 at its recovery, so step 2 survived on two nodes. Now c fetches only
+    rank 0's shard and its own: b's shard lives on b alone (its replica on c was lost with
+    the old c and is not restored). Losing b next (no save in between: e.g. a crash during
+    the first steps after the restart) loses step 2 on every tier, and the job silently goes
+    back to step 1 although replicas=1 promised to survive one lost node per restart."""
+    replaced_c_recovers_partially(tmp_path, check_partial=False)
+    shutil.rmtree(tmp_path / "local_b")
+    got = run_distributed(load_sharded, 3, str(tmp_path), NODES)
+    assert all(g["ok"] for g in got), got
+    assert [g["step"] for g in got] == [2, 2, 2], [g["recovery"] for g in got]
+
+
+def test_persist_latest_right_after_a_partial_recovery(tmp_path: Path) -> None:
+    """The recovered checkpoint (not persisted) is persisted straight away from the nodes'
+    partial copies: each rank uploads saved rank r % world's file, which its node fetched."""
+    replaced_c_recovers_partially(tmp_path)
+    got = run_distributed(load_sharded_then_persist, 3, str(tmp_path), NODES)
+    assert all("error" not in g and g["persisted"] and g["ok"] for g in got), got
+    assert (tmp_path / "persistent" / CKPT / "manifest.json").exists()
+
+
+def test_a_missing_key_after_a_partial_recovery_fails_with_the_normal_error(
+    tmp_path: Path,
+) -> None:
+    """strict load of a key the checkpoint lacks: files_to_read cannot plan (None: every
+    file); the load must fail with the missing-key error on every rank."""
+    replaced_c_recovers_partially(tmp_path)
+    got = run_distributed(load_with_extra_key, 3, str(tmp_path), NODES)
+    assert all(g["error"] and "not_saved" in g["error"] for g in got), got
+
+
+def test_a_nested_optimizer_like_state_recovers_on_a_fresh_node(tmp_path: Path) -> None:
+    """Int keys, lists of dicts, empty tensors, objects, a replicated tensor above 1 MiB (DCP
+    balances it onto some rank's file), per-rank tensors: the fresh node must get every file
+    its rank reads."""
+    run_distributed(nested_steps, 3, str(tmp_path), NODES, [1, 2], persist_every_n_saves=10)
+    shutil.rmtree(tmp_path / "local_c")
+    got = run_distributed(load_nested, 3, str(tmp_path), NODES)
+    assert all(g["error"] is None and g["ok"] and g["step"] == 2 for g in got), got
