@@ -177,11 +177,14 @@ def test_the_files_a_load_plans_to_read_are_the_files_it_reads(tmp_path) -> None
         assert ranks == sorted({0, rank}), shapes
 
 
-def test_each_node_gets_only_the_files_its_ranks_read(tmp_path) -> None:
+def test_each_node_gets_only_the_files_its_ranks_read_and_the_replicas_it_holds(
+    tmp_path,
+) -> None:
     """Three nodes, one rank each, a sharded state, replicas on the next node of the ring
     (a's on b, b's on c, c's on a). Each rank reads its own file and rank 0's (the small
-    replicated rest), so a restart moves no other shard between nodes, and a replaced node
-    gets those two files (and the DCP metadata), not the whole checkpoint."""
+    replicated rest); a node also keeps the replicas a save places on it. So a restart moves
+    only rank 0's file to c, and a replaced b gets its own shard and a's (both read, and its
+    replica), not c's."""
     nodes = ["a", "b", "c"]
     run_distributed(sharded_steps, 3, str(tmp_path), nodes, [1, 2], persist_every_n_saves=10)
     ckpt = "step_000000002"
@@ -193,12 +196,12 @@ def test_each_node_gets_only_the_files_its_ranks_read(tmp_path) -> None:
     # a holds its own and c's shards, b its own and a's: nothing moves; c lacks rank 0's
     assert [b["peer"] for b in bytes_] == [0, 0, size[0]]
     assert all(b["persistent"] == 0 for b in bytes_)
-    shutil.rmtree(tmp_path / "local_c")
+    shutil.rmtree(tmp_path / "local_b")
     got = run_distributed(load_sharded, 3, str(tmp_path), nodes)
     assert all(g["ok"] and g["step"] == 2 for g in got), got
-    c = got[2]["recovery"]
-    assert c["tier"] == "peer" and c["bytes"]["local"] == 0 and c["bytes"]["persistent"] == 0
-    assert c["bytes"]["peer"] == size[0] + size[2] + size[None]  # not b's shard
-    held = files(tmp_path / "local_c" / ckpt)
+    b = got[1]["recovery"]
+    assert b["tier"] == "peer" and b["bytes"]["local"] == 0 and b["bytes"]["persistent"] == 0
+    assert b["bytes"]["peer"] == size[0] + size[1] + size[None]  # not c's shard
+    held = files(tmp_path / "local_b" / ckpt)
     assert sum(f.endswith(".distcp") for f in held) == 2 and "manifest.json" in held, held
-    assert not any(f.endswith("rank00001.distcp") for f in held), held
+    assert not any(f.endswith("rank00002.distcp") for f in held), held

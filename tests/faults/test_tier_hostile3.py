@@ -28,28 +28,31 @@ def held(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir()) if path.exists() else []
 
 
-def replaced_c_recovers_partially(tmp_path: Path, check_partial: bool = True) -> None:
-    """Steps 1, 2 saved (only step 1 persisted); node c is replaced and recovers step 2
-    holding rank 0's and its own shard only (b's shard, whose replica c held, is gone)."""
+def replaced_node_recovers(tmp_path: Path, node: str) -> None:
+    """Steps 1, 2 saved (only step 1 persisted); ``node`` is replaced and recovers step 2."""
     run_distributed(sharded_steps, 3, str(tmp_path), NODES, [1, 2], persist_every_n_saves=10)
     assert not (tmp_path / "persistent" / CKPT / "manifest.json").exists()
-    shutil.rmtree(tmp_path / "local_c")
+    shutil.rmtree(tmp_path / f"local_{node}")
     got = run_distributed(load_sharded, 3, str(tmp_path), NODES)
     assert all(g["ok"] and g["step"] == 2 for g in got), got
-    if check_partial:
-        assert not any(f.endswith("rank00001.distcp") for f in held(tmp_path / "local_c" / CKPT))
+
+
+def replaced_b_recovers_partially(tmp_path: Path) -> None:
+    """Node b is replaced and recovers step 2 holding its own shard and rank 0's (which is
+    also a's replica, held by b); c's shard it neither reads nor holds a replica of."""
+    replaced_node_recovers(tmp_path, "b")
+    shards = [f for f in held(tmp_path / "local_b" / CKPT) if f.endswith(".distcp")]
+    assert len(shards) == 2 and not any(f.endswith("rank00002.distcp") for f in shards)
 
 
 def test_a_second_node_loss_after_a_partial_recovery_still_recovers_the_newest(
     tmp_path: Path,
 ) -> None:
-    """BUG (regression of the need-based recovery). Before the change the replaced node c got
-    every file of step 2 at its recovery, so step 2 survived on two nodes. Now c fetches only
-    rank 0's shard and its own: b's shard lives on b alone (its replica on c was lost with
-    the old c and is not restored). Losing b next (no save in between: e.g. a crash during
-    the first steps after the restart) loses step 2 on every tier, and the job silently goes
-    back to step 1 although replicas=1 promised to survive one lost node per restart."""
-    replaced_c_recovers_partially(tmp_path, check_partial=False)
+    """The replaced node c gets, besides what its rank reads, the replica of b's shard it held
+    (a recovery leaves every shard on 1 + replicas nodes, as the save did). Found by the
+    review when c fetched only what it read: b's shard then lived on b alone, and losing b
+    next (no save in between) lost step 2 on every tier, the job going back to step 1."""
+    replaced_node_recovers(tmp_path, "c")
     shutil.rmtree(tmp_path / "local_b")
     got = run_distributed(load_sharded, 3, str(tmp_path), NODES)
     assert all(g["ok"] for g in got), got
@@ -59,7 +62,7 @@ def test_a_second_node_loss_after_a_partial_recovery_still_recovers_the_newest(
 def test_persist_latest_right_after_a_partial_recovery(tmp_path: Path) -> None:
     """The recovered checkpoint (not persisted) is persisted straight away from the nodes'
     partial copies: each rank uploads saved rank r % world's file, which its node fetched."""
-    replaced_c_recovers_partially(tmp_path)
+    replaced_b_recovers_partially(tmp_path)
     got = run_distributed(load_sharded_then_persist, 3, str(tmp_path), NODES)
     assert all("error" not in g and g["persisted"] and g["ok"] for g in got), got
     assert (tmp_path / "persistent" / CKPT / "manifest.json").exists()
@@ -70,7 +73,7 @@ def test_a_missing_key_after_a_partial_recovery_fails_with_the_normal_error(
 ) -> None:
     """strict load of a key the checkpoint lacks: files_to_read cannot plan (None: every
     file); the load must fail with the missing-key error on every rank."""
-    replaced_c_recovers_partially(tmp_path)
+    replaced_b_recovers_partially(tmp_path)
     got = run_distributed(load_with_extra_key, 3, str(tmp_path), NODES)
     assert all(g["error"] and "not_saved" in g["error"] for g in got), got
 

@@ -27,7 +27,9 @@ def load_sharded_then_persist(root: str, nodes: list[str]) -> dict[str, Any]:
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
     out["ok"] = bool(
-        torch.equal(state["shards"].to_local(), torch.full((64, 32), float(100 * out["step"] + rank)))
+        torch.equal(
+            state["shards"].to_local(), torch.full((64, 32), float(100 * out["step"] + rank))
+        )
     )
     return out
 
@@ -100,4 +102,6 @@ def load_nested(root: str, nodes: list[str], **options: Any) -> dict[str, Any]:
 
 def local_names(root: str, node: str) -> list[str]:
     path = os.path.join(root, f"local_{node}")
-    return sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
+    return (
+        sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
+    )

@@ -205,8 +205,11 @@ def _needs(
     """Every rank, once each node holds the DCP metadata: the files each node needs, by its
     lead rank - what its ranks' loads read (:func:`files_to_read`), the files they upload
     if this checkpoint is persisted from here (``persist_checkpoint``: a file of saved rank
-    ``r`` by rank ``r % world``) and the metadata. A node with a rank that cannot plan its
-    load is left out (it gets every file)."""
+    ``r`` by rank ``r % world``), its own ranks' shards and the replicas a save places on it
+    (so a recovery leaves every shard on ``1 + replicas`` nodes, as the save did: losing
+    another node before the next save still leaves a recoverable checkpoint), and the
+    metadata. A node with a rank that cannot plan its load is left out (it gets every
+    file)."""
     coord, name = ctx.coordinator, manifest.name
     info = CheckpointInfo(name, ctx.storage.display(name), VALID, manifest)
 
@@ -218,11 +221,18 @@ def _needs(
         return sorted(f"{name}/{path}" for path in files | uploads)
 
     gathered = coord.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
+    layout = tiers.layout
+    shards = {f.rank: f"{name}/{f.path}" for f in manifest.files if f.rank is not None}
     needs: dict[int, set[str]] = {}
-    for node, ranks in tiers.layout.nodes:
+    for node, ranks in layout.nodes:
         wanted = [gathered[r] for r in ranks]
         if all(w is not None for w in wanted):
-            needs[tiers.layout.lead(node)] = {f for w in wanted if w for f in w}
+            needs[layout.lead(node)] = {f for w in wanted if w for f in w}
+    for node, ranks in layout.nodes:  # the copies a save would have left: replicas stay whole
+        for holder in (node, *layout.replica_nodes(node, tiers.replicas)):
+            lead = layout.lead(holder)
+            if lead in needs:
+                needs[lead] |= {shards[r] for r in ranks if r in shards}
     return {lead: files | _global_files(manifest) for lead, files in needs.items()}
 
 
