@@ -96,6 +96,9 @@ class ShardedLoaderModule(TinyModule):
             sampler=sampler,
             num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
+            # one spawn per fit, not per epoch (each spawned worker imports torch again);
+            # the saved state then comes from workers that outlived an epoch boundary
+            persistent_workers=workers > 0,
         )
 
 

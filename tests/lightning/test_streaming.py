@@ -55,10 +55,13 @@ def test_global_batch_size_and_persistent_workers_across_a_change(tmp_path) -> N
 def test_same_world_resume_is_exact_with_workers(tmp_path) -> None:
     for run in ("ref", "run"):
         w.write_shards(tmp_path / run / "shards")
-    reference = run_distributed(w.fit, 2, str(tmp_path / "ref"), 14, workers=2)
+    # persistent workers: one spawn per fit, not per epoch (workers that restart every epoch
+    # are covered by the test above)
+    kw = {"workers": 2, "persistent": True}
+    reference = run_distributed(w.fit, 2, str(tmp_path / "ref"), 14, **kw)
     root = str(tmp_path / "run")
-    run_distributed(w.fit, 2, root, 14, kill_at=7, workers=2, may_die={0, 1})
-    resumed = run_distributed(w.fit, 2, root, 14, workers=2)
+    run_distributed(w.fit, 2, root, 14, kill_at=7, may_die={0, 1}, **kw)
+    resumed = run_distributed(w.fit, 2, root, 14, **kw)
     for rank in range(2):
         assert resumed[rank]["resumed_from"].endswith("step_000000006")
         assert resumed[rank]["seen"] == [s for s in reference[rank]["seen"] if s[0] >= 6]
