@@ -202,23 +202,20 @@ def _needs(
     strict: bool,
     targets: Targets | None,
 ) -> dict[int, set[str]]:
-    """Every rank, once each node holds the DCP metadata: the files each node needs, by its
-    lead rank - what its ranks' loads read (:func:`files_to_read`), the files they upload
-    if this checkpoint is persisted from here (``persist_checkpoint``: a file of saved rank
-    ``r`` by rank ``r % world``), its own ranks' shards and the replicas a save places on it
-    (so a recovery leaves every shard on ``1 + replicas`` nodes, as the save did: losing
-    another node before the next save still leaves a recoverable checkpoint), and the
-    metadata. A node with a rank that cannot plan its load is left out (it gets every
-    file)."""
+    """Every rank, at the saved world size, once each node holds the DCP metadata: the files
+    each node needs, by its lead rank - what its ranks' loads read (:func:`files_to_read`),
+    its own ranks' shards (also what they upload if this checkpoint is persisted from here:
+    ``persist_checkpoint`` gives saved rank ``r``'s file to rank ``r % world``, here ``r``)
+    and the replicas a save places on it (so a recovery leaves every shard on
+    ``1 + replicas`` nodes, as the save did: losing another node before the next save still
+    leaves a recoverable checkpoint), and the metadata. A node with a rank that cannot plan
+    its load is left out (it gets every file)."""
     coord, name = ctx.coordinator, manifest.name
     info = CheckpointInfo(name, ctx.storage.display(name), VALID, manifest)
 
     def mine() -> list[str] | None:
         files = files_to_read(ctx.storage, coord, info, state, strict=strict, targets=targets)
-        if files is None:
-            return None
-        uploads = {f.path for f in manifest.files if (f.rank or 0) % coord.world_size == coord.rank}
-        return sorted(f"{name}/{path}" for path in files | uploads)
+        return None if files is None else sorted(f"{name}/{path}" for path in files)
 
     gathered = coord.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
     layout = tiers.layout
