@@ -295,8 +295,8 @@ SMALL_REPLICATED_BUDGET = 64 << 20
 def small_replicated_to_lowest(plans: list[SavePlan]) -> list[SavePlan]:
     """Rank 0 (the coordinator's global plan): keep each small replicated item (one in
     several ranks' plans: below ``SMALL_REPLICATED_BYTES``, or an object) only in the lowest
-    of those ranks' plans, up to ``SMALL_REPLICATED_BUDGET`` bytes in all; DCP's
-    deduplication then balances the rest across ranks, large items first among them.
+    of those ranks' plans, up to ``SMALL_REPLICATED_BUDGET`` bytes in all (in plan order);
+    DCP's deduplication then balances the rest across ranks.
 
     A rank that loads its own shards thus reads its own file and the lowest rank's (the small
     replicated rest: optimizer steps, norms, buffers, loop state), not a sliver of every
