@@ -303,3 +303,35 @@ def test_transfers_on_a_background_thread_and_dedicated_group_beside_training_co
     assert [(r["error"], r["training"]) for r in results] == [(None, 40.0), (None, 40.0)]
     assert on_node(tmp_path, 1, "s/a").read_bytes() == a
     assert on_node(tmp_path, 0, "s/b").read_bytes() == b
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("side", ["sender read", "receiver write"])
+def test_a_disk_error_in_mid_stream_fails_that_file_on_both_sides_and_the_next_arrives_whole(
+    tmp_path, side
+) -> None:
+    # each side works a chunk ahead (the sender reads the next chunk while one is sent, the
+    # receiver receives the next while one is written): a failure after 4 of 10 chunks must
+    # leave neither a half-sent chunk nor a reused buffer in the next file's bytes
+    broken, after = data(10_000, 19), data(7000, 20)
+    files = {0: {"s/broken": broken, "s/after": after}}
+    transfers = [move(0, 1, "s/broken", broken), move(0, 1, "s/after", after)]
+    failing_rank = 0 if side == "sender read" else 1
+    results = run(
+        tmp_path,
+        2,
+        files,
+        transfers,
+        chunk_bytes=1000,
+        timeout_s=30,
+        fail_after_chunks=(failing_rank, "s/broken", 4),
+    )
+    kind = "source" if side == "sender read" else "write"
+    for r in results:
+        assert [(f.transfer.path, f.kind) for f in r["error"].failures] == [("s/broken", kind)]
+        assert f"rank {failing_rank}:" in str(r["error"])
+    assert all(r["seconds"] < 10 for r in results), "nobody waited for the 30 s timeout"
+    assert on_node(tmp_path, 1, "s/after").read_bytes() == after
+    assert not on_node(tmp_path, 1, "s/broken").exists()
+    assert results[0]["stats"].files_sent == 1
+    assert not leftovers(tmp_path)

@@ -34,6 +34,7 @@ def transfer_worker(
     stall: tuple[int, float] | None = None,
     in_thread: bool = False,
     memory: dict[int, dict[str, list[bytes | bytearray]]] | None = None,
+    fail_after_chunks: tuple[int, str, int] | None = None,
 ) -> dict[str, Any]:
     """Write this rank's ``files``, run the transfers on a dedicated gloo group and return
     the stats (or the error), the seconds taken and the messages counted by kind.
@@ -42,11 +43,15 @@ def transfer_worker(
     makes that rank sleep ``s`` seconds first (a live but late peer). ``in_thread`` runs
     the transfers on a thread while the main thread all-reduces on the default group.
     ``memory`` gives a rank's ``sources``: path -> the pieces sent from memory (``bytes`` are
-    read-only buffers, ``bytearray`` writable ones)."""
+    read-only buffers, ``bytearray`` writable ones). ``fail_after_chunks=(rank, path, n)``
+    makes that rank's reads (as sender) or writes (as receiver) of ``path`` fail after ``n``
+    chunks (a disk error in mid-stream)."""
     rank = dist.get_rank()
     storage = node_storage(root, rank)
     for path, data in files.get(rank, {}).items():
         storage.write_bytes(path, data)
+    if fail_after_chunks is not None and rank == fail_after_chunks[0]:
+        _fail_mid_stream(storage, *fail_after_chunks[1:])
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if rank == exit_on_rank:
         os._exit(0)  # a rank that dies after setup: its peers must not hang
@@ -90,14 +95,38 @@ def transfer_worker(
     return {**outcome, "seconds": time.monotonic() - start, "messages": messages}
 
 
+def _fail_mid_stream(storage: Storage, path: str, n: int) -> None:
+    read_into, write_stream = storage.read_into, storage.write_stream
+    reads = [0]
+
+    def failing_read(rel: str, offset: int, out: memoryview) -> None:
+        if rel == path:
+            reads[0] += 1
+            if reads[0] > n:
+                raise OSError(f"I/O error after {n} chunks")
+        read_into(rel, offset, out)
+
+    def failing_write(rel: str, chunks: Any, **kwargs: Any) -> Any:
+        def cut() -> Any:
+            for i, chunk in enumerate(chunks()):
+                if i == n:
+                    raise OSError(f"No space left on device after {n} chunks")
+                yield chunk
+
+        return write_stream(rel, cut if rel == path else chunks, **kwargs)
+
+    storage.read_into = failing_read  # type: ignore[method-assign]
+    storage.write_stream = failing_write  # type: ignore[method-assign]
+
+
 def _count(messages: dict[str, int], flip: bool) -> None:
     """Count this rank's sends and receives; with ``flip``, corrupt the first byte of every
     received payload of more than 16 bytes (bytes damaged in flight)."""
-    send, recv = transfer._Link.send, transfer._Link.recv
+    isend, recv = transfer._Link.isend, transfer._Link.recv
 
-    def counted_send(self: Any, tensor: torch.Tensor) -> None:
+    def counted_isend(self: Any, tensor: torch.Tensor) -> Any:  # every send starts here
         messages["send"] += 1
-        send(self, tensor)
+        return isend(self, tensor)
 
     def counted_recv(self: Any, tensor: torch.Tensor) -> None:
         messages["recv"] += 1
@@ -105,5 +134,5 @@ def _count(messages: dict[str, int], flip: bool) -> None:
         if flip and tensor.dtype == torch.uint8 and tensor.numel() > 16:
             tensor[0] ^= 0xFF
 
-    transfer._Link.send = counted_send  # type: ignore[method-assign]
+    transfer._Link.isend = counted_isend  # type: ignore[method-assign]
     transfer._Link.recv = counted_recv  # type: ignore[method-assign]

@@ -23,6 +23,9 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
        so dst stops waiting at once.
     3. dst -> src  int64 [code, m] (+ message) after a complete stream: whether dst's copy is
        written and matches. Both ranks thus agree on the outcome of every transfer.
+    Each side works one chunk ahead: src reads (and hashes) the next chunk while the last one
+    is sent (``isend``), dst receives the next chunk on a thread while it writes the last one,
+    so the file I/O overlaps the network (two buffers per rank, used in turn).
     A failing rank keeps to the exchange (dst takes the rest of a file it could not write), so
     failures are in-band and the later transfers go on; at the end each rank raises one
     :class:`TransferError` listing its failed transfers. Only a broken connection (a dead
@@ -32,6 +35,8 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -162,18 +167,30 @@ class _Link:
     def __init__(self, group: Any, peer: int, tag: int, timeout: timedelta | None) -> None:
         self.group, self.peer, self.tag, self.timeout = group, peer, tag, timeout
 
-    def _run(self, op: Any, tensor: torch.Tensor) -> None:
+    def _start(self, op: Any, tensor: torch.Tensor) -> Any:
         try:
-            work = op(tensor, self.peer, group=self.group, tag=self.tag)
+            return op(tensor, self.peer, group=self.group, tag=self.tag)
+        except Exception as exc:
+            raise _PeerLost(f"send/recv with rank {self.peer} failed: {exc}") from exc
+
+    def wait(self, work: Any) -> None:
+        """Wait for a started send or receive (``None``: nothing to wait for)."""
+        if work is None:
+            return
+        try:
             work.wait() if self.timeout is None else work.wait(self.timeout)
         except Exception as exc:
             raise _PeerLost(f"send/recv with rank {self.peer} failed: {exc}") from exc
 
+    def isend(self, tensor: torch.Tensor) -> Any:
+        """Start sending ``tensor``; it must stay unchanged until :meth:`wait` returns."""
+        return self._start(dist.isend, tensor)
+
     def send(self, tensor: torch.Tensor) -> None:
-        self._run(dist.isend, tensor)
+        self.wait(self.isend(tensor))
 
     def recv(self, tensor: torch.Tensor) -> None:
-        self._run(dist.irecv, tensor)
+        self.wait(self._start(dist.irecv, tensor))
 
     def send_ints(self, *values: int) -> None:
         self.send(torch.tensor(values, dtype=torch.int64))
@@ -198,16 +215,22 @@ class _Link:
         return bytes(out.numpy()).decode(errors="replace")
 
 
-class _Scratch:
-    """The one buffer a rank sends from and receives into (grown when a peer sends more)."""
+class _Buffers:
+    """A rank's two chunk buffers, used in turn (each allocated when first needed, grown when
+    a peer sends more): a chunk is filled while the one before it is still being sent or
+    written, so a buffer is filled again only two chunks later."""
 
     def __init__(self, size: int) -> None:
-        self.tensor = torch.empty(max(size, 1), dtype=torch.uint8)
+        self.size = max(size, 1)
+        self.tensors: list[torch.Tensor | None] = [None, None]
+        self.turn = 0
 
     def take(self, size: int) -> torch.Tensor:
-        if size > self.tensor.numel():
-            self.tensor = torch.empty(size, dtype=torch.uint8)
-        return self.tensor[:size]
+        turn, self.turn = self.turn, 1 - self.turn
+        tensor = self.tensors[turn]
+        if tensor is None or tensor.numel() < size:
+            tensor = self.tensors[turn] = torch.empty(max(size, self.size), dtype=torch.uint8)
+        return tensor[:size]
 
 
 def execute_transfers(
@@ -216,7 +239,7 @@ def execute_transfers(
     rank: int,
     group: dist.ProcessGroup | None,
     storage: Storage,
-    chunk_bytes: int = 64 * 2**20,
+    chunk_bytes: int = 32 * 2**20,
     timeout: timedelta | None = None,
     sources: Mapping[str, Callable[[], Iterable[memoryview]]] | None = None,
 ) -> TransferStats:
@@ -229,7 +252,7 @@ def execute_transfers(
             group, never the one training runs on.
         storage: this rank's storage (sender: read from; receiver: written with exclusive
             create, hashed on the way).
-        chunk_bytes: bytes per message; also the size of this rank's one buffer.
+        chunk_bytes: bytes per message; also the size of each of this rank's two buffers.
         timeout: the longest one send or receive may wait (``None``: the group's timeout).
         sources: the bytes of files this rank sends from memory instead of reading them from
             ``storage`` (by path): a save's staged payload, just written to the file. They are
@@ -248,7 +271,7 @@ def execute_transfers(
     start = time.monotonic()
     mine = [(i, t) for i, t in enumerate(transfers) if rank in (t.src, t.dst)]
     size = min(chunk_bytes, max((t.size for _, t in mine), default=0))
-    scratch = _Scratch(size)
+    buffers = _Buffers(size)
     counts = {f.name: 0 for f in fields(TransferStats) if f.name != "seconds"}
     failures: list[TransferFailure] = []
     lost: set[int] = set()
@@ -264,12 +287,12 @@ def execute_transfers(
         try:
             if rank == t.src:
                 source = (sources or {}).get(t.path)
-                failure = _send(t, link, storage, scratch, chunk_bytes, counts, source)
+                failure = _send(t, link, storage, buffers, chunk_bytes, counts, source)
             else:
-                failure = _receive(t, link, storage, scratch, counts)
+                failure = _receive(t, link, storage, buffers, counts)
         except _PeerLost as exc:
             lost.add(peer)
-            scratch = _Scratch(size)  # a receive that timed out may still land in the old one
+            buffers = _Buffers(size)  # a receive that timed out may still land in the old ones
             failure = TransferFailure(t, "communication", str(exc))
         if failure is not None:
             log.warning("transfer of %s failed (%s): %s", t.path, failure.kind, failure.reason)
@@ -298,7 +321,7 @@ def _send(
     t: Transfer,
     link: _Link,
     storage: Storage,
-    scratch: _Scratch,
+    buffers: _Buffers,
     chunk_bytes: int,
     counts: dict[str, int],
     source: Callable[[], Iterable[memoryview]] | None = None,
@@ -309,9 +332,12 @@ def _send(
         counts["files_present"] += 1
         return None
     if source is None:
-        code, message = _stream(t, link, storage, scratch, chunk_bytes)
+        where = f"rank {t.src}: {storage.display(t.path)}"
+        chunks = _file_chunks(t, storage, buffers, chunk_bytes, where)
     else:
-        code, message = _stream_memory(t, link, source(), scratch, chunk_bytes)
+        where = f"rank {t.src}: {t.path} in memory"
+        chunks = _memory_chunks(source(), buffers, chunk_bytes)
+    code, message = _stream(t, link, chunks, where)
     link.send_status(code, message)  # the end of the stream, or a failure in a header's place
     if code != _OK:
         return TransferFailure(t, _KIND[code], message)
@@ -325,67 +351,79 @@ def _send(
 
 
 def _stream(
-    t: Transfer, link: _Link, storage: Storage, scratch: _Scratch, chunk_bytes: int
+    t: Transfer, link: _Link, chunks: Iterator[torch.Tensor], where: str
 ) -> tuple[int, str]:
-    """Send the file's chunks, each after an ``[0, n]`` header, hashing them on the way; the
-    failure code and message to send instead of the next header (``_OK``: the end)."""
-    where = f"rank {t.src}: {storage.display(t.path)}"
-    hasher = new_hasher(t.algorithm)
-    offset = 0
+    """Send each chunk after an ``[0, n]`` header; the next chunk is made (read, hashed) while
+    the last one is on its way. The failure code and message to send instead of the next
+    header (``_OK``: the end): from the chunk source, or a stream of another size than the
+    transfer's."""
+    sent, pending = 0, None
     try:
-        size = storage.size(t.path)
-        if size != t.size:
-            return _SIZE, f"{where} has {size} bytes, the transfer expects {t.size}"
-        while offset < t.size:
-            chunk = scratch.take(min(chunk_bytes, t.size - offset))
-            view = byte_view(chunk)
-            storage.read_into(t.path, offset, view)
-            hasher.update(view)
+        for chunk in chunks:
+            if sent + chunk.numel() > t.size:
+                raise _SourceFailed(_SIZE, f"{where} is longer than {t.size} bytes")
+            link.wait(pending)  # frees the buffer the chunk after this one is made in
             link.send_ints(_OK, chunk.numel())
-            link.send(chunk)
-            offset += chunk.numel()
+            pending = link.isend(chunk)
+            sent += chunk.numel()
+        if sent != t.size:
+            raise _SourceFailed(_SIZE, f"{where} has {sent} bytes, the transfer expects {t.size}")
     except _PeerLost:
         raise
+    except _SourceFailed as exc:
+        code, message = exc.code, exc.message
     except StorageNotFoundError as exc:
-        return _MISSING, f"{where} is missing: {exc}"
+        code, message = _MISSING, f"{where} is missing: {exc}"
     except Exception as exc:
-        return _READ, f"{where} could not be read at offset {offset}: {exc}"
+        code, message = _READ, f"{where} could not be read at offset {sent}: {exc}"
+    else:
+        code, message = _OK, ""
+    link.wait(pending)
+    return code, message
+
+
+def _file_chunks(
+    t: Transfer, storage: Storage, buffers: _Buffers, chunk_bytes: int, where: str
+) -> Iterator[torch.Tensor]:
+    """The file's chunks, hashed on the way: a wrong size fails before the first, a mismatch
+    with the checksum after the last (the copy is not sent on)."""
+    size = storage.size(t.path)
+    if size != t.size:
+        raise _SourceFailed(_SIZE, f"{where} has {size} bytes, the transfer expects {t.size}")
+    hasher = new_hasher(t.algorithm)
+    for offset in range(0, t.size, chunk_bytes):
+        chunk = buffers.take(min(chunk_bytes, t.size - offset))
+        view = byte_view(chunk)
+        storage.read_into(t.path, offset, view)
+        hasher.update(view)
+        yield chunk
     if hasher.hexdigest() != t.checksum:
-        return _SOURCE_CORRUPT, (
+        raise _SourceFailed(
+            _SOURCE_CORRUPT,
             f"{where} does not match its checksum ({t.algorithm} {hasher.hexdigest()}, "
-            f"expected {t.checksum}); not replicated"
+            f"expected {t.checksum}); not replicated",
         )
-    return _OK, ""
 
 
-def _stream_memory(
-    t: Transfer, link: _Link, source: Iterable[memoryview], scratch: _Scratch, chunk_bytes: int
-) -> tuple[int, str]:
-    """Send bytes held in memory (see ``sources``), like :func:`_stream` without the read and
-    the hash: writable buffers go out as they are, read-only ones (padding) through
-    ``scratch``. A source of another size than the transfer's fails at its end."""
-    sent = 0
+def _memory_chunks(
+    source: Iterable[memoryview], buffers: _Buffers, chunk_bytes: int
+) -> Iterator[torch.Tensor]:
+    """Bytes held in memory (see ``sources``), neither read nor hashed: writable buffers go
+    out as they are, read-only ones (padding) through ``buffers``."""
     for buffer in source:
         view = buffer.cast("B")
         for start in range(0, view.nbytes, chunk_bytes):
             piece = view[start : start + chunk_bytes]
-            if sent + piece.nbytes > t.size:
-                return _SIZE, f"rank {t.src}: {t.path} in memory is longer than {t.size} bytes"
             if piece.readonly:
-                chunk = scratch.take(piece.nbytes)
+                chunk = buffers.take(piece.nbytes)
                 byte_view(chunk)[:] = piece
+                yield chunk
             else:
-                chunk = torch.frombuffer(piece, dtype=torch.uint8)
-            link.send_ints(_OK, piece.nbytes)
-            link.send(chunk)
-            sent += piece.nbytes
-    if sent != t.size:
-        return _SIZE, f"rank {t.src}: {t.path} in memory has {sent} bytes, expected {t.size}"
-    return _OK, ""
+                yield torch.frombuffer(piece, dtype=torch.uint8)
 
 
 def _receive(
-    t: Transfer, link: _Link, storage: Storage, scratch: _Scratch, counts: dict[str, int]
+    t: Transfer, link: _Link, storage: Storage, buffers: _Buffers, counts: dict[str, int]
 ) -> TransferFailure | None:
     """The receiver's side: say whether to send, write what arrives, check it, reply."""
     if _present(t, storage):
@@ -393,7 +431,7 @@ def _receive(
         counts["files_present"] += 1
         return None
     link.send_ints(1)
-    incoming = _Incoming(t, link, scratch)
+    incoming = _Incoming(t, link, buffers)
     where = f"rank {t.dst}: {storage.display(t.path)}"
     try:
         try:
@@ -409,6 +447,8 @@ def _receive(
             code, reply = _check(t, storage, written.size, written.checksum, where)
     except _SourceFailed as exc:
         return TransferFailure(t, _KIND.get(exc.code, "source"), exc.message)
+    finally:
+        incoming.close()
     link.send_status(code, reply)
     if code != _OK:
         return TransferFailure(t, _KIND[code], reply)
@@ -454,36 +494,71 @@ def _present(t: Transfer, storage: Storage) -> bool:
 
 class _Incoming:
     """The chunks of one file as they arrive: a single-use chunk source for ``write_stream``
-    (a retried write cannot restart a stream from its first byte)."""
+    (a retried write cannot restart a stream from its first byte). A thread receives one
+    chunk ahead of the writer, into the buffer the writer is not holding; it ends with the
+    stream (its last item: ``None``, or the failure it met, raised to the writer)."""
 
-    def __init__(self, t: Transfer, link: _Link, scratch: _Scratch) -> None:
-        self.t, self.link, self.scratch = t, link, scratch
-        self.received, self.started, self.done = 0, False, False
+    def __init__(self, t: Transfer, link: _Link, buffers: _Buffers) -> None:
+        self.t, self.link, self.buffers = t, link, buffers
+        self.items: queue.SimpleQueue[torch.Tensor | BaseException | None] = queue.SimpleQueue()
+        self.free = threading.Semaphore(2)  # buffers the writer does not hold
+        self.started = self.held = self.closed = False
+        self.thread = threading.Thread(target=self._receive, name="le-transfer-recv", daemon=True)
+        self.thread.start()
 
     def chunks(self) -> Iterator[memoryview]:
-        """Yield each chunk (the buffer is reused: ``write_stream`` consumes it first)."""
+        """Yield each chunk (its buffer is filled again once the next one is asked for)."""
         if self.started:
             raise ElasticCheckpointError("the write failed, and a received file cannot restart")
         self.started = True
         while (chunk := self._next()) is not None:
+            self.held = True
             yield byte_view(chunk)
+            self.held = False
+            self.free.release()
 
     def drain(self) -> None:
         """Receive and drop the rest of the stream."""
-        while not self.done:
-            self._next()
+        if self.held:
+            self.held = False
+            self.free.release()
+        while self._next() is not None:
+            self.free.release()
+
+    def close(self) -> None:
+        """Let the thread end: it has ended when the stream did; otherwise (the writer
+        failed in an unforeseen way) it stops before its next chunk."""
+        self.closed = True
+        self.free.release(2)
 
     def _next(self) -> torch.Tensor | None:
-        code, length = self.link.recv_ints(2)
-        if code != _OK:
-            self.done = True
-            raise _SourceFailed(code, self.link.recv_message(length))
-        if length == 0:
-            self.done = True
-            return None
-        if not 0 < length <= self.t.size - self.received:
-            raise _PeerLost(f"rank {self.t.src} sent {length} bytes past the file's end")
-        chunk = self.scratch.take(length)
-        self.link.recv(chunk)
-        self.received += length
-        return chunk
+        item = self.items.get()
+        if isinstance(item, BaseException):
+            self.items.put(None)  # a later _next (drain) ends too
+            raise item
+        if item is None:
+            self.items.put(None)
+        return item
+
+    def _receive(self) -> None:
+        received = 0
+        try:
+            while True:
+                self.free.acquire()
+                if self.closed:
+                    return
+                code, length = self.link.recv_ints(2)
+                if code != _OK:
+                    raise _SourceFailed(code, self.link.recv_message(length))
+                if length == 0:
+                    break
+                if not 0 < length <= self.t.size - received:
+                    raise _PeerLost(f"rank {self.t.src} sent {length} bytes past the file's end")
+                chunk = self.buffers.take(length)
+                self.link.recv(chunk)
+                received += length
+                self.items.put(chunk)
+        except BaseException as exc:
+            self.items.put(exc)
+        else:
+            self.items.put(None)
