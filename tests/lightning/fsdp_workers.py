@@ -138,10 +138,13 @@ def fsdp_fit(
     signal_at: int = -1,
     unused: bool = False,
     save_at_start: bool = False,
+    nodes: bool = False,
 ) -> dict[str, Any]:
     """Fit ``ShardedModule`` under ``strategy`` (``"elastic_fsdp"``, ``"elastic"``, or
     ``"single"``: one device) with a ``DistributedCheckpoint`` every ``every`` steps, resuming
-    from the newest checkpoint of ``root``."""
+    from the newest checkpoint of ``root``. ``nodes``: multi-tier, each rank its own "node"
+    (``"ab"[rank]``, local root ``<root>/local/<node>``), every 3rd save persisted, one
+    replica."""
     pl.seed_everything(7, verbose=False)
     model = ShardedModule(
         n=n,
@@ -165,8 +168,16 @@ def fsdp_fit(
         chosen = ElasticStrategy(shard_optimizer_state=shard, global_batch_size=global_batch_size)
     else:
         chosen = "auto"
+    tiers: dict[str, Any] = {}
+    if nodes:
+        node = "ab"[torch.distributed.get_rank()]
+        tiers = {"local_dirpath": f"{root}/local/{node}", "node": node, "persist_every_n_saves": 3}
     checkpoint = DistributedCheckpoint(
-        f"{root}/ckpts", every_n_train_steps=every, save_on_train_end=False, async_save=async_save
+        f"{root}/ckpts",
+        every_n_train_steps=every,
+        save_on_train_end=False,
+        async_save=async_save,
+        **tiers,
     )
     callbacks: list[Any] = [checkpoint]
     if save_at_start:  # a checkpoint before the first optimizer step
@@ -188,6 +199,7 @@ def fsdp_fit(
         "seen": model.seen,
         "global_step": trainer.global_step,
         "resumed_from": trainer.ckpt_path,
+        "recovery": checkpoint.recovery,
         **snapshot(trainer, model),
     }
 

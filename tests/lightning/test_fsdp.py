@@ -109,8 +109,14 @@ def test_training_continues_on_the_same_trajectory(tmp_path, first, second) -> N
         assert value == pytest.approx(ref[step], rel=1e-5), step
 
 
-def test_sigkill_mid_epoch_resumes_bitwise(tmp_path) -> None:
-    reference = run_distributed(w.fsdp_fit, 2, str(tmp_path / "ref"), 12, every=100)
+@pytest.fixture(scope="module")
+def reference12(tmp_path_factory) -> list[dict[str, Any]]:
+    """12 steps at 2 ranks without a checkpoint: what a killed and resumed run must match."""
+    return run_distributed(w.fsdp_fit, 2, str(tmp_path_factory.mktemp("ref12")), 12, every=100)
+
+
+def test_sigkill_mid_epoch_resumes_bitwise(tmp_path, reference12) -> None:
+    reference = reference12
     root = str(tmp_path / "run")
     # checkpoints every 4 steps (asynchronous); every rank dies at step 9 (step 8 committed)
     run_distributed(w.fsdp_fit, 2, root, 12, every=4, kill_at=9, may_die={0, 1})
@@ -119,6 +125,36 @@ def test_sigkill_mid_epoch_resumes_bitwise(tmp_path) -> None:
     for rank in range(2):
         ref = dict(reference[rank]["losses"])
         got = dict(resumed[rank]["losses"])
+        assert sorted(got) == [8, 9, 10, 11]
+        assert all(got[step] == ref[step] for step in got), rank  # bitwise
+    assert_same_state(reference, resumed)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"strategy": "elastic", "shard": True}], ids=["fsdp2", "zero1_optimizer"]
+)
+def test_multi_tier_a_replaced_node_recovers_its_shards_from_the_other_node_bitwise(
+    tmp_path, reference12, kw
+) -> None:
+    # a sharded state with a node-local tier, each rank its own node: saves at 4 and 8
+    # commit locally and replicate to the other node (none persisted: every 3rd save is);
+    # every rank dies at step 9 and node b comes back with an empty local dir
+    reference = reference12
+    if kw:
+        reference = run_distributed(w.fsdp_fit, 2, str(tmp_path / "ref"), 12, every=100, **kw)
+    root = tmp_path / "run"
+    run_distributed(
+        w.fsdp_fit, 2, str(root), 12, every=4, kill_at=9, may_die={0, 1}, nodes=True, **kw
+    )
+    assert not list((root / "ckpts").glob("step_*/manifest.json"))
+    shutil.rmtree(root / "local" / "b")
+    resumed = run_distributed(w.fsdp_fit, 2, str(root), 12, every=4, nodes=True, **kw)
+    a, b = (r["recovery"] for r in resumed)
+    assert a["checkpoint"] == b["checkpoint"] == "step_000000008"
+    assert (a["tier"], b["tier"]) == ("local", "peer")
+    assert b["bytes"]["local"] == b["bytes"]["persistent"] == 0 < b["bytes"]["peer"]
+    for rank in range(2):
+        ref, got = dict(reference[rank]["losses"]), dict(resumed[rank]["losses"])
         assert sorted(got) == [8, 9, 10, 11]
         assert all(got[step] == ref[step] for step in got), rank  # bitwise
     assert_same_state(reference, resumed)
