@@ -120,17 +120,24 @@ def fit(
     loader: bool = False,
     every: int = 5,
     workers: int = 0,
+    nodes: bool = False,
 ) -> dict[str, Any]:
     """Fit at the world size of the process group, with a per-rank tally and, with
     ``loader``, a StatefulDataLoader per rank; SIGKILL at ``kill_at`` (after the last save
-    committed); resume from ``root`` when it holds a checkpoint."""
+    committed); resume from ``root`` when it holds a checkpoint. ``nodes``: multi-tier, each
+    rank its own node (``"ab"[rank]``, local root ``<root>/local/<node>``), every 3rd save
+    persisted."""
     records = _Records()
     logging.getLogger("lightning_elastic").addHandler(records)
     pl.seed_everything(7, verbose=False)
     model = (ShardedLoaderModule if loader else TinyModule)(kill_at=kill_at)
     model.loader_workers = workers  # StatefulDataLoader's worker processes
     counter = {"plain": RankTally, "fresh": FreshTally}[tally]()
-    checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every)
+    tiers: dict[str, Any] = {}
+    if nodes:
+        node = "ab"[dist.get_rank()]
+        tiers = {"local_dirpath": f"{root}/local/{node}", "node": node, "persist_every_n_saves": 3}
+    checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every, **tiers)
     trainer = make_trainer(
         root,
         max_steps=max_steps,
@@ -151,4 +158,5 @@ def fit(
         "tally": counter.state_dict(),
         "loaded": counter.loaded,
         "log": records.messages,
+        "recovery": checkpoint.recovery,
     }

@@ -3,6 +3,7 @@ torchdata's StatefulDataLoader over a shard per rank): SIGKILL mid-epoch and res
 processes; and what a world-size change does with it."""
 
 import collections
+import shutil
 
 import pytest
 
@@ -60,6 +61,26 @@ def test_a_stateful_dataloader_per_rank_resumes_every_rank_exactly(tmp_path, wor
             per_epoch[epoch].update(ids)
         shard = collections.Counter(range(rank, 64, 2))
         assert per_epoch[0] == shard and per_epoch[1] == shard
+
+
+def test_a_replaced_node_gives_each_rank_its_own_per_rank_state_from_the_replicas(
+    tmp_path,
+) -> None:
+    # multi-tier, each rank its own node: saves at 5 and 10 are local only (every 3rd is
+    # persisted); node b comes back empty, and its rank's tally and loader position (saved
+    # per rank, in its own shard) come from the replica on node a, not from rank 0's state
+    pytest.importorskip("torchdata")
+    kw = {"loader": True, "nodes": True}
+    reference = run_distributed(per_rank_workers.fit, 2, str(tmp_path / "ref"), MAX_STEPS, **kw)
+    root = tmp_path / "run"
+    run_distributed(per_rank_workers.fit, 2, str(root), MAX_STEPS, KILL_AT, may_die={0, 1}, **kw)
+    assert not list((root / "ckpts").glob("step_*/manifest.json"))
+    shutil.rmtree(root / "local" / "b")
+    resumed = run_distributed(per_rank_workers.fit, 2, str(root), MAX_STEPS, **kw)
+    assert [r["recovery"]["tier"] for r in resumed] == ["local", "peer"]
+    for rank in range(2):
+        assert resumed[rank]["loaded"]["rank"] == rank
+        assert_continues_exactly(reference[rank], resumed[rank])
 
 
 def test_a_world_size_change_refuses_a_per_rank_callback_state(tmp_path) -> None:
