@@ -25,6 +25,7 @@ __all__ = [
     "IntegrityError",
     "LoadTimeoutError",
     "ManifestError",
+    "ManifestNotReceivedError",
     "PerRankStateError",
     "Phase",
     "RankFailure",
@@ -427,6 +428,18 @@ class CheckpointTimeoutError(DistributedFailure, TimeoutError):
 
 class SaveTimeoutError(CheckpointTimeoutError, CheckpointSaveError):
     """A save timed out waiting for ranks; nothing was committed."""
+
+
+class ManifestNotReceivedError(SaveTimeoutError):
+    """Multi-tier: rank 0 committed the save in its node's local directory, but its manifest
+    did not reach this rank in time (rank 0 went silent right after its commit). Unlike
+    other save timeouts, the checkpoint exists: on rank 0's node (and in the replicas already
+    sent), not on this rank's node. A recovery can still choose it."""
+
+    verb = (
+        "was committed on rank 0's node, but its manifest did not reach this rank (this "
+        "node keeps no copy of it; a recovery can still use the copy on rank 0's node)"
+    )
 
 
 class LoadTimeoutError(CheckpointTimeoutError, CheckpointLoadError):

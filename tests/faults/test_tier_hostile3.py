@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elastic.errors import CheckpointSaveError
 from lightning_elastic.testing.spawn import run_distributed
-from tests.distributed.tier_engine_workers import load_sharded, sharded_steps
+from tests.distributed.tier_engine_workers import load_latest, load_sharded, sharded_steps
 from tests.faults.tier_hostile3_workers import (
     load_nested,
     load_sharded_then_persist,
     load_with_extra_key,
     nested_steps,
+    silent_after_local_commit,
 )
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -86,3 +88,35 @@ def test_a_nested_optimizer_like_state_recovers_on_a_fresh_node(tmp_path: Path) 
     shutil.rmtree(tmp_path / "local_c")
     got = run_distributed(load_nested, 3, str(tmp_path), NODES)
     assert all(g["error"] is None and g["ok"] and g["step"] == 2 for g in got), got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("b_copy", ["intact", "corrupt"])
+def test_a_rank_0_silent_after_its_local_commit_is_reported_as_committed_and_recoverable(
+    tmp_path, b_copy
+) -> None:
+    # two nodes; rank 0 dies after committing step 2 on node a, before rank 1 got the
+    # manifest. Rank 1 must not say "not committed": the checkpoint is on node a, and the
+    # next start recovers it (b gets its files from a's copy, checked against the manifest)
+    nodes = ["a", "b"]
+    got = run_distributed(silent_after_local_commit, 2, str(tmp_path), nodes, may_die={0})
+    error = got[1]
+    assert error["error"] == "ManifestNotReceivedError", error
+    assert isinstance(error["is_save_error"], CheckpointSaveError)
+    assert "was committed on rank 0's node" in error["message"]
+    assert "not committed" not in error["message"]
+    assert (tmp_path / "local_a" / CKPT / "manifest.json").exists()
+    assert not (tmp_path / "local_b" / CKPT / "manifest.json").exists()
+    if b_copy == "corrupt":  # b's shard of step 2 (the only copy) is checked like any copy
+        (shard,) = (tmp_path / "local_b" / CKPT).glob("*rank00001.distcp")
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    loaded = run_distributed(load_latest, 2, str(tmp_path), nodes)
+    step = 2 if b_copy == "intact" else 1
+    assert [r["step"] for r in loaded] == [step, step]
+    assert [r["mine"] for r in loaded] == [100.0 * step, 100.0 * step + 1]
+    assert all(r["w_ok"] for r in loaded)
+    if b_copy == "intact":
+        assert loaded[1]["recovery"]["tier"] == "peer"
+        assert (tmp_path / "local_b" / CKPT / "manifest.json").exists()  # b's copy committed

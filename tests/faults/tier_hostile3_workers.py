@@ -105,3 +105,38 @@ def local_names(root: str, node: str) -> list[str]:
     return (
         sorted(n for n in os.listdir(path) if n.startswith("step_")) if os.path.isdir(path) else []
     )
+
+
+def silent_after_local_commit(root: str, nodes: list[str]) -> dict[str, Any]:
+    """Save step 1 (committed, not persisted), then step 2, where rank 0 dies right after its
+    local commit, before it posts the manifest to the other ranks: what rank 1 is told."""
+    from datetime import timedelta
+
+    from lightning_elastic import CheckpointEngine
+    from lightning_elastic.core.dist import channel
+    from tests.distributed.tier_engine_workers import local_root, state_of
+
+    rank = dist.get_rank()
+    post = channel.CommitChannel.post
+
+    def dies_at_step_2(self: Any, save_id: str, part: str, text: str) -> None:
+        if part == "manifest" and '"step": 2' in text:
+            os._exit(0)
+        post(self, save_id, part, text)
+
+    channel.CommitChannel.post = dies_at_step_2  # type: ignore[method-assign]
+    eng = CheckpointEngine(
+        os.path.join(root, "persistent"),
+        local_root=local_root(root, nodes[rank]),
+        node=nodes[rank],
+        timeout=timedelta(seconds=4),
+        persist_every_n_saves=10,
+    )
+    error = None
+    try:
+        for step in (1, 2):
+            eng.save(state_of(step, rank), step=step, rank_state={"rank": rank})
+        eng.wait()
+    except Exception as exc:
+        error = exc
+    return {"error": type(error).__name__, "message": str(error), "is_save_error": error}

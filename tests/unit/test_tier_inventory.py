@@ -204,3 +204,22 @@ def test_an_empty_or_missing_root_is_an_empty_scan(tmp_path):
     for root in ("empty", "missing", "other"):
         assert scan(tmp_path / root) == NodeScan()
     assert merge_candidates([]) == () and merge_candidates([NodeScan()]) == ()
+
+
+def test_a_checkpoint_without_its_manifest_lists_the_save_files_it_holds(source, tmp_path):
+    # rank 0 committed NEW on its node, then went silent: node B wrote its shard but never
+    # got the manifest. Its files are listed apart (not a candidate); a temporary file of an
+    # unfinished write, a stray file and a folder of something else are not
+    a, b = split(source, tmp_path)
+    (b / NEW / MANIFEST_FILE).unlink()
+    shard = next(f.name for f in (source / NEW).iterdir() if is_shard(f.name))
+    shutil.copy2(source / NEW / shard, b / NEW / shard)
+    (b / NEW / f"{shard}.tmp-0123456789ab").write_bytes(b"partial")
+    (b / NEW / "notes.txt").write_text("x")
+    (b / "logs").mkdir()
+    (b / "logs" / "train.log").write_text("x")
+    found = scan(b)
+    assert [c.name for c in found.candidates] == [OLD]
+    files = {f.name: f.stat().st_size for f in (source / NEW).iterdir() if f.name != MANIFEST_FILE}
+    assert found.uncommitted == {NEW: {f"{NEW}/{n}": size for n, size in files.items()}}
+    assert NEW not in found.checkpoints

@@ -79,6 +79,11 @@ def is_checkpoint_name(name: str) -> bool:
     return _NAME.match(name) is not None
 
 
+def is_save_file(name: str) -> bool:
+    """Whether ``name`` is that of a file a save writes (``<save id>-rank00000.distcp``)."""
+    return _SAVE_FILE.match(name) is not None
+
+
 def holds_checkpoint_files(names: Iterable[str]) -> bool:
     """Whether a directory with these file names is (or was becoming) a checkpoint: it holds
     a manifest, a claim, a quarantine record or a file named by a save. Any other folder under

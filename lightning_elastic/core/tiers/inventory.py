@@ -49,7 +49,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_elastic.core.format.catalog import VALID, Catalog
+from lightning_elastic.core.format.catalog import VALID, Catalog, is_save_file
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.tiers.recovery import CheckpointCandidate, NodeHoldings
@@ -81,10 +81,16 @@ class NodeScan:
         candidates: One per valid checkpoint, sorted by name: ``order`` is
             :meth:`CheckpointInfo.sort_key`, ``files`` every file of its manifest (paths
             relative to the root), ``persisted=False``.
+        uncommitted: Checkpoint directory without a manifest -> {path: size} of its files: a
+            save this node wrote its shards of, whose commit did not reach it (rank 0 went
+            silent right after committing on its own node). Not a candidate here; another
+            node's manifest of the same name may list these files (recovery then counts
+            those of the listed size as held, and verifies them like any copy).
     """
 
     checkpoints: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     candidates: tuple[CheckpointCandidate, ...] = ()
+    uncommitted: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 def scan_node(storage: Storage) -> NodeScan:
@@ -99,6 +105,7 @@ def scan_node(storage: Storage) -> NodeScan:
         return NodeScan()
     checkpoints: dict[str, dict[str, int]] = {}
     candidates: list[CheckpointCandidate] = []
+    uncommitted: dict[str, dict[str, int]] = {}
     for entry in entries:
         if not entry.is_dir or entry.is_link or entry.name.startswith("."):
             continue  # as Catalog.scan: links and hidden folders are not checkpoints
@@ -107,21 +114,29 @@ def scan_node(storage: Storage) -> NodeScan:
         except StorageError as e:
             log.warning("skipping local checkpoint %s: %s", storage.display(entry.name), e)
             continue
-        if found is not None:
-            checkpoints[entry.name], cand = found
+        if found is None:
+            continue
+        files, cand = found
+        if cand is None:
+            if files:
+                uncommitted[entry.name] = files
+        else:
+            checkpoints[entry.name] = files
             candidates.append(cand)
-    return NodeScan(checkpoints, tuple(sorted(candidates, key=lambda c: c.name)))
+    return NodeScan(checkpoints, tuple(sorted(candidates, key=lambda c: c.name)), uncommitted)
 
 
 def _scan_checkpoint(
     storage: Storage, catalog: Catalog, name: str
-) -> tuple[dict[str, int], CheckpointCandidate] | None:
-    """The held files and the candidate of the checkpoint directory ``name``, or ``None`` when
-    it is not a valid checkpoint."""
+) -> tuple[dict[str, int], CheckpointCandidate | None] | None:
+    """The held files and the candidate of the checkpoint directory ``name``; without a
+    manifest its files (path -> size) and no candidate; ``None`` when it is not a valid
+    checkpoint."""
     sizes = {e.name: e.size for e in storage.listdir(name) if not e.is_dir and not e.is_link}
     manifest_size = sizes.get(MANIFEST_FILE)
-    if manifest_size is None:
-        return None  # no manifest, or a link planted as one: not a checkpoint here
+    if manifest_size is None:  # no manifest, or a link planted as one: not a checkpoint here
+        saved = {f"{name}/{n}": size for n, size in sizes.items() if _saved(n)}
+        return saved, None
     if manifest_size > MAX_MANIFEST_BYTES:
         log.warning(
             "skipping local checkpoint %s: its manifest has %d bytes (limit %d)",
@@ -140,6 +155,11 @@ def _scan_checkpoint(
     files = {f"{name}/{f.path}": f.size for f in info.manifest.files}
     held = {rel: size for rel, size in files.items() if sizes.get(rel[len(name) + 1 :]) == size}
     return held, CheckpointCandidate(name, info.sort_key(), files, persisted=False)
+
+
+def _saved(name: str) -> bool:
+    """A file a save wrote (not a temporary one of a write that did not finish)."""
+    return is_save_file(name) and ".tmp-" not in name
 
 
 def holdings(scan: NodeScan, *, node: str, ranks: Sequence[int]) -> NodeHoldings:

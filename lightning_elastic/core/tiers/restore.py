@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -137,6 +137,7 @@ def recover(
         text = _manifest_text(tiers, ctx, choice, name)
         _drop_conflicting(tiers, ctx, choice, name)
         manifest = Manifest.from_json(text, ctx.storage.display(name))
+        held = choice.held.get(tiers.node, {})  # this node's copies (the lead's scan)
         needs: dict[int, set[str]] = {}
         done: list[RecoveryPlan] = []  # plans whose fetches were made (for the record)
         if manifest.world_size == coord.world_size:
@@ -146,14 +147,14 @@ def recover(
             first = _global_files(manifest)
             leads = {tiers.layout.lead(node): first for node in tiers.layout.names}
             done.append(plan.narrowed(leads))
-            bad = _gather(tiers, ctx, manifest, done[-1], surveys, verify, first)
+            bad = _gather(tiers, ctx, manifest, done[-1], held, verify, first)
             if bad is not None:
                 excluded |= bad
                 continue
             needs = _needs(tiers, ctx, manifest, state, strict, targets)
             plan = plan.narrowed({lead: files - first for lead, files in needs.items()})
         mine = needs.get(tiers.layout.lead(tiers.node))
-        bad = _gather(tiers, ctx, manifest, plan, surveys, verify, mine)
+        bad = _gather(tiers, ctx, manifest, plan, held, verify, mine)
         if bad is not None:
             excluded |= bad
             continue
@@ -177,14 +178,14 @@ def _gather(
     ctx: SaveContext,
     manifest: Manifest,
     plan: RecoveryPlan,
-    surveys: Sequence[_Survey],
+    held: Mapping[str, Mapping[str, int]],
     verify: str,
     files: Collection[str] | None,
 ) -> set[str] | None:
     """Verify the node's copies among ``files`` (``None``: all) with ``verify="full"``, then
     make the plan's fetches. ``None`` when done, else what to exclude from the next attempt
     (an empty set: a corrupt copy was deleted, the nodes hold less now)."""
-    if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, surveys, files):
+    if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, held, files):
         return set()
     return _fetch(tiers, ctx, manifest, plan)
 
@@ -307,7 +308,7 @@ def _filtered(
             keep.append(cand)
     names = {c.name for c in keep}
     held = {n: files for n, files in scan.checkpoints.items() if n in names}
-    return NodeScan(held, tuple(keep))
+    return NodeScan(held, tuple(keep), scan.uncommitted)
 
 
 def _persistent_newest(
@@ -336,6 +337,7 @@ class _Choice:
     candidates: tuple[CheckpointCandidate, ...]  # every variant seen (for the sequence floor)
     winners: dict[str, CheckpointCandidate]
     conflicted: dict[str, frozenset[str]]  # node -> names its copy of which lost
+    held: dict[str, dict[str, dict[str, int]]]  # node -> name -> the files it holds (path: size)
 
 
 def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Choice:
@@ -357,6 +359,7 @@ def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Ch
         persisted = any(c.persisted and _same(c, win) for c in variants[name])
         merged.append(replace(win, persisted=persisted))
     conflicted: dict[str, frozenset[str]] = {}
+    node_held: dict[str, dict[str, dict[str, int]]] = {}
     nodes = []
     for s in surveys:
         if s.scan is None:
@@ -365,7 +368,12 @@ def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Ch
             c.name for c in s.scan.candidates if c.name in winners and not _same(c, winners[c.name])
         )
         conflicted[s.node] = lost
-        held = {n: files for n, files in s.scan.checkpoints.items() if n not in lost}
+        held = {n: dict(files) for n, files in s.scan.checkpoints.items() if n not in lost}
+        for n, files in s.scan.uncommitted.items():  # the manifest of n did not reach the node
+            if n in winners and n not in held:
+                listed = winners[n].files
+                held[n] = {p: size for p, size in files.items() if listed.get(p) == size}
+        node_held[s.node] = held
         nodes.append(holdings(NodeScan(held), node=s.node, ranks=tiers.layout.ranks_of(s.node)))
         if lost and tiers.coordinator.is_coordinator:
             log.warning(
@@ -378,7 +386,7 @@ def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Ch
     if tiers.coordinator.is_coordinator:
         for skipped, why in plan.skipped.items():
             log.warning("not recovering from %s: %s", skipped, why)
-    return _Choice(plan, tuple(seen), winners, conflicted)
+    return _Choice(plan, tuple(seen), winners, conflicted, node_held)
 
 
 def _same(a: CheckpointCandidate, b: CheckpointCandidate) -> bool:
@@ -423,25 +431,24 @@ def _drop_corrupt(
     ctx: SaveContext,
     manifest: Manifest,
     plan: RecoveryPlan,
-    surveys: Sequence[_Survey],
+    held: Mapping[str, Mapping[str, int]],
     files: Collection[str] | None = None,
 ) -> bool:
-    """Each lead hashes its node's copies of the chosen checkpoint (among ``files``: those
-    its ranks read; ``None``: all); corrupt ones are deleted. ``True`` (everywhere) when some
-    node had one."""
+    """Each lead hashes its node's copies of the chosen checkpoint (``held``: name -> files,
+    among ``files``: those its ranks read; ``None``: all); corrupt ones are deleted. ``True``
+    (everywhere) when some node had one."""
     rank, name = ctx.coordinator.rank, manifest.name
 
     def check() -> list[str]:
         if not tiers.layout.is_lead(rank):
             return []
-        scan = next(s.scan for s in surveys if s.node == tiers.node and s.scan is not None)
         # a copy this node sends to another is hashed by the sending itself (a corrupt one
         # fails the transfer at the source): hashing it here too would read it twice
         sent = {f.file for f in plan.fetches if f.src_rank == rank}
         bad = []
         for record in manifest.files:
             rel = f"{name}/{record.path}"
-            if rel not in scan.checkpoints.get(name, {}) or rel in sent:
+            if rel not in held.get(name, {}) or rel in sent:
                 continue
             if files is not None and rel not in files:
                 continue  # not read here: checked where it is read (or sent)

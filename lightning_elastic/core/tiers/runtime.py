@@ -53,7 +53,14 @@ from lightning_elastic.core.tiers.epoch import EPOCH_SHIFT, claim_epoch
 from lightning_elastic.core.tiers.layout import NODE_ENV, NodeLayout, node_name
 from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
-from lightning_elastic.errors import CheckpointExistsError, ConfigError, DistributedFailure, Phase
+from lightning_elastic.errors import (
+    CheckpointExistsError,
+    ConfigError,
+    DistributedFailure,
+    ManifestNotReceivedError,
+    Phase,
+    SaveTimeoutError,
+)
 
 __all__ = ["TIER_ROOT_KEY", "TierSet"]
 
@@ -374,7 +381,12 @@ class TierSet:
                 ch.post(save_id, "manifest", text)
             else:
                 deadline = planned.started + ctx.timeout_s + self.timeout.total_seconds()
-                text = ch.fetch(save_id, "manifest", deadline, what)
+                try:
+                    text = ch.fetch(save_id, "manifest", deadline, what)
+                except SaveTimeoutError as exc:  # rank 0 committed (its decision came), then
+                    raise ManifestNotReceivedError(  # went silent: not "not committed"
+                        what, Phase.COMMIT, [0], exc.timeout_s
+                    ) from exc
         finally:
             ch.ack(save_id)
         return result.manifest or Manifest.from_json(text, what), text
