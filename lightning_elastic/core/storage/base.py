@@ -20,6 +20,7 @@ To add a backend: subclass :class:`Storage`, implement the abstract methods, and
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,6 +129,14 @@ class Storage:
         """A human-readable location for messages (the URL form)."""
         rel = rel.strip("/")
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def with_retry(self, retry: RetryPolicy) -> Storage:
+        """This storage (the same root and filesystem) retrying by ``retry``: e.g. one attempt
+        for a write from a stream that cannot restart, whose first error must surface as it
+        is rather than as a failed restart."""
+        other = copy.copy(self)
+        other.retry = retry
+        return other
 
     def _call(self, op: str, rel: str, fn: Callable[[], Any]) -> Any:
         return retry_call(self.retry, op, self.display(rel), fn)

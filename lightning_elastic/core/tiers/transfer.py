@@ -28,9 +28,11 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
     so the file I/O overlaps the network (two buffers per rank, used in turn).
     A failing rank keeps to the exchange (dst takes the rest of a file it could not write), so
     failures are in-band and the later transfers go on; at the end each rank raises one
-    :class:`TransferError` listing its failed transfers. Only a broken connection (a dead
-    peer, ``timeout``) leaves the exchange: that rank skips its remaining transfers with
-    that peer, and the peer fails by its own timeout.
+    :class:`TransferError` listing its failed transfers. Only a broken connection leaves the
+    exchange. A dead peer: that rank skips its remaining transfers with that peer, and the
+    peer fails by its own timeout. A ``timeout`` that expires: gloo closes every connection
+    of the group on that rank, so it skips all its remaining transfers (its peers see the
+    connection close); the caller rebuilds the group before using it again.
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ import torch.distributed as dist
 
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.save.stage import byte_view
-from lightning_elastic.core.storage.base import Storage, check_rel_path
+from lightning_elastic.core.storage.base import Storage, Written, check_rel_path
 from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
+from lightning_elastic.core.storage.retry import RetryPolicy
 from lightning_elastic.errors import (
     ConfigError,
     ElasticCheckpointError,
     IntegrityError,
     StorageError,
     StorageNotFoundError,
+    TransientStorageError,
 )
 
 __all__ = [
@@ -73,6 +77,7 @@ _OK, _MISSING, _SIZE, _READ, _SOURCE_CORRUPT, _RECEIVED_CORRUPT, _WRITE = range(
 _KIND = {_MISSING: "source", _SIZE: "source", _READ: "source", _WRITE: "write"}
 _KIND |= {_SOURCE_CORRUPT: "integrity", _RECEIVED_CORRUPT: "integrity"}
 _MAX_MESSAGE = 4096
+_ONE_ATTEMPT = RetryPolicy(max_attempts=1)
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,12 @@ class TransferIntegrityError(TransferError, IntegrityError):
 
 
 class _PeerLost(ElasticCheckpointError):
-    """send/recv with the peer failed (dead peer, timeout, protocol violation)."""
+    """send/recv with the peer failed (dead peer, timeout, protocol violation);
+    ``timed_out``: a wait expired, which closed every connection of the group here."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class _SourceFailed(ElasticCheckpointError):
@@ -180,7 +190,8 @@ class _Link:
         try:
             work.wait() if self.timeout is None else work.wait(self.timeout)
         except Exception as exc:
-            raise _PeerLost(f"send/recv with rank {self.peer} failed: {exc}") from exc
+            message = f"send/recv with rank {self.peer} failed: {exc}"
+            raise _PeerLost(message, timed_out="Timed out" in str(exc)) from exc
 
     def isend(self, tensor: torch.Tensor) -> Any:
         """Start sending ``tensor``; it must stay unchanged until :meth:`wait` returns."""
@@ -275,12 +286,18 @@ def execute_transfers(
     counts = {f.name: 0 for f in fields(TransferStats) if f.name != "seconds"}
     failures: list[TransferFailure] = []
     lost: set[int] = set()
+    timed_out = False  # gloo closed every connection of the group on this rank
     for index, t in enumerate(transfers):
         if rank not in (t.src, t.dst):
             continue
         peer = t.dst if rank == t.src else t.src
-        if peer in lost:
+        if peer in lost or timed_out:
             reason = f"not attempted: the connection to rank {peer} broke earlier"
+            if timed_out:
+                reason = (
+                    "not attempted: a send/receive of this rank timed out earlier, which "
+                    "closes all its connections on the group"
+                )
             failures.append(TransferFailure(t, "communication", reason))
             continue
         link = _Link(group, peer, index, timeout)
@@ -292,12 +309,14 @@ def execute_transfers(
                 failure = _receive(t, link, storage, buffers, counts)
         except _PeerLost as exc:
             lost.add(peer)
+            timed_out = timed_out or exc.timed_out
             buffers = _Buffers(size)  # a receive that timed out may still land in the old ones
             failure = TransferFailure(t, "communication", str(exc))
         if failure is not None:
             log.warning("transfer of %s failed (%s): %s", t.path, failure.kind, failure.reason)
             failures.append(failure)
     stats = TransferStats(**counts, seconds=time.monotonic() - start)
+    del buffers  # not kept alive by the traceback of the error below
     if failures:
         integrity = all(f.kind == "integrity" for f in failures)
         raise (TransferIntegrityError if integrity else TransferError)(failures, stats)
@@ -336,7 +355,7 @@ def _send(
         chunks = _file_chunks(t, storage, buffers, chunk_bytes, where)
     else:
         where = f"rank {t.src}: {t.path} in memory"
-        chunks = _memory_chunks(source(), buffers, chunk_bytes)
+        chunks = _memory_chunks(source, buffers, chunk_bytes)
     code, message = _stream(t, link, chunks, where)
     link.send_status(code, message)  # the end of the stream, or a failure in a header's place
     if code != _OK:
@@ -406,11 +425,12 @@ def _file_chunks(
 
 
 def _memory_chunks(
-    source: Iterable[memoryview], buffers: _Buffers, chunk_bytes: int
+    source: Callable[[], Iterable[memoryview]], buffers: _Buffers, chunk_bytes: int
 ) -> Iterator[torch.Tensor]:
     """Bytes held in memory (see ``sources``), neither read nor hashed: writable buffers go
-    out as they are, read-only ones (padding) through ``buffers``."""
-    for buffer in source:
+    out as they are, read-only ones (padding) through ``buffers``. ``source`` is called here,
+    in the stream, so its failure is reported in-band like a read error."""
+    for buffer in source():
         view = buffer.cast("B")
         for start in range(0, view.nbytes, chunk_bytes):
             piece = view[start : start + chunk_bytes]
@@ -435,9 +455,7 @@ def _receive(
     where = f"rank {t.dst}: {storage.display(t.path)}"
     try:
         try:
-            written = storage.write_stream(
-                t.path, incoming.chunks, checksum=t.algorithm, exclusive=True
-            )
+            written = _write(t, storage, incoming)
         except (_PeerLost, _SourceFailed):
             raise
         except Exception as exc:
@@ -455,6 +473,20 @@ def _receive(
     counts["files_received"] += 1
     counts["bytes_received"] += t.size
     return None
+
+
+def _write(t: Transfer, storage: Storage, incoming: _Incoming) -> Written:
+    """Write the received stream. Retried (the storage's policy) only while no chunk was
+    taken: a stream cannot restart, so a later retry could only fail again and hide the
+    error that stopped the first attempt."""
+    try:
+        return storage.with_retry(_ONE_ATTEMPT).write_stream(
+            t.path, incoming.chunks, checksum=t.algorithm, exclusive=True
+        )
+    except TransientStorageError:
+        if incoming.started:
+            raise
+    return storage.write_stream(t.path, incoming.chunks, checksum=t.algorithm, exclusive=True)
 
 
 def _check(
