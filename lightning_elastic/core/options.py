@@ -202,6 +202,26 @@ def tier_options(
         check_count(replicas, "replicas", minimum=0)
     if local_keep is not None:
         check_count(local_keep, "local_keep")
-    if node is not None and (not isinstance(node, str) or not node or "/" in node):
-        raise ConfigError(f"node must be a non-empty name without '/', got {node!r}")
+    if node is not None:
+        check_node_id(node)
     return {"local_root": str(local_dirpath), **given}
+
+
+MAX_NODE_ID = 255
+
+
+def check_node_id(node: Any, where: str = "node") -> str:
+    """A node id: a non-empty string of at most :data:`MAX_NODE_ID` characters, without '/'
+    or control characters (it names a node in logs, manifests and the CLI's output)."""
+    if (
+        not isinstance(node, str)
+        or not node
+        or len(node) > MAX_NODE_ID
+        or "/" in node
+        or any(ord(c) < 32 or ord(c) == 127 for c in node)
+    ):
+        raise ConfigError(
+            f"{where} must be a non-empty name of at most {MAX_NODE_ID} characters without "
+            f"'/' or control characters, got {node!r}"
+        )
+    return node

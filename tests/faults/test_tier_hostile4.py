@@ -239,13 +239,11 @@ def test_replicas_beyond_the_other_nodes_are_capped_and_every_node_holds_every_s
         assert len(shards) == 2, (n, shards)
 
 
-@pytest.mark.parametrize(
-    "node", ["a b", "..", "nœud-1", "-rf", "a:b", "a*?", "a\nb", "a\\b", "x" * 240]
-)
+@pytest.mark.parametrize("node", ["a b", "..", "nœud-1", "a*?", "a\\b", "x" * 255])
 def test_a_node_id_accepted_by_the_options_trains(tmp_path, node) -> None:
-    """Validation refuses only '/' and ids over 255 characters (layout.py); every other id
-    must then work. A backslash and a 240-character id pass validation but fail at setup
-    with a StorageError: the shared-root probe embeds the raw id in a file name."""
+    """Validation refuses '/', control characters and ids over 255 characters; every other
+    id must then work (the shared-root probe once embedded the raw id in a file name: a
+    backslash or a 240-character id failed at setup with a StorageError)."""
     DistributedCheckpoint(tmp_path / "ckpts", local_dirpath=tmp_path / "local", node=node)
     local_of = {node: str(tmp_path / "local")}
     (got,) = run_distributed(w.fit_config, 1, str(tmp_path), 3, local_of, names=[node])
@@ -253,7 +251,7 @@ def test_a_node_id_accepted_by_the_options_trains(tmp_path, node) -> None:
     assert steps(tmp_path / "ckpts") == [3] and steps(tmp_path / "local") == [3]
 
 
-@pytest.mark.parametrize("node", ["a\x00b", "x" * 256, ""])
+@pytest.mark.parametrize("node", ["a\x00b", "a\nb", "x" * 256, "", "a/b"])
 def test_an_illegal_node_id_is_a_config_error(tmp_path, node) -> None:
     """Refused with ConfigError, at construction (docs: "validated at construction") or at
     the latest at setup, never another error."""

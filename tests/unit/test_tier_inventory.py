@@ -210,7 +210,7 @@ def test_a_checkpoint_without_its_manifest_lists_the_save_files_it_holds(source,
     # rank 0 committed NEW on its node, then went silent: node B wrote its shard but never
     # got the manifest. Its files are listed apart (not a candidate); a temporary file of an
     # unfinished write, a stray file and a folder of something else are not
-    a, b = split(source, tmp_path)
+    _, b = split(source, tmp_path)
     (b / NEW / MANIFEST_FILE).unlink()
     shard = next(f.name for f in (source / NEW).iterdir() if is_shard(f.name))
     shutil.copy2(source / NEW / shard, b / NEW / shard)

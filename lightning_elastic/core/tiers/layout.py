@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.options import check_node_id
 from lightning_elastic.errors import ConfigError, Phase
 
 __all__ = ["NODE_ENV", "NodeLayout", "node_name"]
@@ -65,8 +66,7 @@ class NodeLayout:
     @classmethod
     def gather(cls, coord: Coordinator, node: str) -> NodeLayout:
         """Every rank, together: the layout of the job, from each rank's node id."""
-        if not node or "/" in node or len(node) > 255:
-            raise ConfigError(f"node must be a non-empty name without '/', got {node!r}")
+        check_node_id(node, f"the node id (node= or ${NODE_ENV})")
         return cls.of(coord.all_gather(Phase.INIT, lambda: node))
 
     @property

@@ -29,6 +29,7 @@ and the replicas it received; a missing file there is normal (never "corrupt").
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import uuid
 from collections.abc import Iterable, Sequence
@@ -151,7 +152,8 @@ class TierSet:
         with one node id: a copied ``$LIGHTNING_ELASTIC_NODE``, identical host names)."""
         coord, local = self.coordinator, self.local
         lead = self.layout.lead(self.node)
-        probe = f".tier-probe-{self.node}-{uuid.uuid4().hex[:12]}"
+        tag = hashlib.sha1(self.node.encode()).hexdigest()[:12]  # any id makes a file name
+        probe = f".tier-probe-{tag}-{uuid.uuid4().hex[:12]}"
 
         def write() -> str | None:
             if coord.rank != lead:
