@@ -585,6 +585,8 @@ def _ls_tiers(args: argparse.Namespace, rows: list[_Row], nodes: list[Storage]) 
     """``ls`` with ``--local``: the union of the checkpoints of DIR and of the node-local
     roots, each with the tiers that hold it (:mod:`lightning_elastic.core.tiers.survey`)."""
     scans = [scan_node(node) for node in nodes]
+    if args.check == "full":
+        scans = [_hashed(node, scan) for node, scan in zip(nodes, scans, strict=True)]
     persistent = [  # only a valid copy is a tier (and a sane manifest: _insane passed)
         CheckpointCandidate(r.info.name, r.info.sort_key(), _files(r.info.name, m), persisted=True)
         for r in rows
@@ -615,10 +617,32 @@ def _ls_tiers(args: argparse.Namespace, rows: list[_Row], nodes: list[Storage]) 
             more = f" (first: {v.missing[0]})"
             print(f"  {r.info.name}: no node holds {len(v.missing)} of its file(s){more}")
     print(_what_was_checked(args.check, args.path))
+    compared = "size and checksum" if args.check == "full" else "size"
     print(
-        f"tiers: {len(nodes)} node-local root(s), their files compared by size "
+        f"tiers: {len(nodes)} node-local root(s), their files compared by {compared} "
         "(TIERS: see `lightning-elastic ls --help`)"
     )
+
+
+def _hashed(node: Storage, scan: NodeScan) -> NodeScan:
+    """``scan`` with only the files whose checksum is their manifest's (``--check full``): a
+    corrupt copy on a node is not held there."""
+    held: dict[str, dict[str, int]] = {}
+    for name, files in scan.checkpoints.items():
+        info = _info(Catalog(node), name)
+        manifest = info.manifest if info is not None else None
+        if manifest is None:
+            continue
+        sums = {f"{name}/{f.path}": f.checksum for f in manifest.files}
+        held[name] = {}
+        for rel, size in files.items():
+            try:
+                got = node.hash_file(rel, manifest.checksum_algorithm).checksum
+            except Exception:
+                continue  # unreadable: not held
+            if got == sums.get(rel):
+                held[name][rel] = size
+    return dataclasses.replace(scan, checkpoints=held)
 
 
 def _files(name: str, manifest: Manifest) -> dict[str, int]:
