@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_elastic.core.engine import CheckpointEngine
-from lightning_elastic.core.format.catalog import split_location
+from lightning_elastic.core.format.catalog import is_checkpoint_name, split_location
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.lightning._compat import (
@@ -83,6 +83,11 @@ def install_resume_hook(
             checkpoint = resolve_alias(checkpoint_path, session, verify=verify)
             if checkpoint is None:
                 return original(None, weights_only=weights_only)  # type: ignore[no-any-return]
+        elif (tiered := _tiered_engine(session, checkpoint_path)) is not None:
+            # a checkpoint of a multi-tier dirpath (best_model_path, last_model_path) may be
+            # on the nodes only: chosen by name across the tiers, as a resume would
+            name = split_location(checkpoint_path)[1]
+            checkpoint = session.load(tiered, name=name, verify=verify)
         elif is_elastic_checkpoint(checkpoint_path, session.storage_options):
             root, name = split_location(checkpoint_path)
             checkpoint = session.load(session.engine(root), name=name, verify=verify)
@@ -95,6 +100,22 @@ def install_resume_hook(
         return None
 
     original = install_on_connector(trainer, "resume_start", resume_start)
+
+
+def _tiered_engine(session: ElasticSession, path: Any) -> CheckpointEngine | None:
+    """The session's multi-tier engine whose ``dirpath`` holds ``path`` directly, named as a
+    save is, or ``None``: its saves are named ``dirpath/<name>`` even while only the
+    node-local tier holds them."""
+    if path is None:
+        return None
+    root, name = split_location(path)
+    if not is_checkpoint_name(name):  # e.g. a Lightning file the user put there
+        return None
+    root = root.rstrip("/")
+    for engine in session.engines.values():
+        if engine.multi_tier and engine.storage.display().rstrip("/") == root:
+            return engine
+    return None
 
 
 def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> None:
