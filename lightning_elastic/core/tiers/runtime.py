@@ -61,6 +61,7 @@ from lightning_elastic.errors import (
     ManifestNotReceivedError,
     Phase,
     SaveTimeoutError,
+    StorageError,
 )
 
 __all__ = ["TIER_ROOT_KEY", "TierSet"]
@@ -158,7 +159,14 @@ class TierSet:
         def write() -> str | None:
             if coord.rank != lead:
                 return None
-            local.write_bytes(probe, b"", durable=False)
+            try:
+                local.write_bytes(probe, b"", durable=False)
+            except StorageError as exc:
+                raise ConfigError(
+                    f"the node-local root (local_dirpath) {local.display()} of node "
+                    f"{self.node!r} cannot be written: {exc}. Give a directory every rank of "
+                    "the node can create and write (/dev/shm/..., a local disk)"
+                ) from exc
             return probe
 
         probes = coord.all_gather(Phase.INIT, write, error=DistributedFailure)
