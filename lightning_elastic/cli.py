@@ -39,7 +39,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from lightning_elastic.core.format.catalog import (
@@ -604,8 +604,11 @@ def _ls_tiers(args: argparse.Namespace, rows: list[_Row], nodes: list[Storage]) 
         body = [{**r.to_json(), "tiers": _tiers_json(v, args.local)} for r, v in listed]
         print(json.dumps(body, indent=1))
         return
+    orphans = _uncommitted_everywhere(args.local, scans, views)
     if not listed:
         print(f"no checkpoints in {args.path} or the {len(nodes)} node-local root(s)")
+        for line in orphans:
+            print(line)
         return
     print(_table([[*_row(r), v.notation] for r, v in listed], [*_HEADER, "TIERS"]))
     for r, v in listed:
@@ -616,12 +619,30 @@ def _ls_tiers(args: argparse.Namespace, rows: list[_Row], nodes: list[Storage]) 
         elif v.missing:
             more = f" (first: {v.missing[0]})"
             print(f"  {r.info.name}: no node holds {len(v.missing)} of its file(s){more}")
+    for line in orphans:
+        print(line)
     print(_what_was_checked(args.check, args.path))
     compared = "size and checksum" if args.check == "full" else "size"
     print(
         f"tiers: {len(nodes)} node-local root(s), their files compared by {compared} "
         "(TIERS: see `lightning-elastic ls --help`)"
     )
+
+
+def _uncommitted_everywhere(
+    paths: list[str], scans: list[NodeScan], views: Mapping[str, Any]
+) -> list[str]:
+    """Lines for the save folders on the nodes that no tier has a manifest of (a save that
+    never committed: recovery ignores them; the space they take is shown, not freed)."""
+    held: dict[str, list[str]] = {}
+    for path, scan in zip(paths, scans, strict=True):
+        for name, files in scan.uncommitted.items():
+            if name not in views:
+                held.setdefault(name, []).append(f"{path} ({_size(sum(files.values()))})")
+    return [
+        f"  {name}: not committed on any tier (no manifest), save files on {', '.join(where)}"
+        for name, where in sorted(held.items())
+    ]
 
 
 def _hashed(node: Storage, scan: NodeScan) -> NodeScan:

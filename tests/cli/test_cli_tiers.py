@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_elastic.cli import _size
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, SHARD_SUFFIX, Manifest
 from tests.cli.test_cli import run
@@ -339,3 +340,22 @@ def test_ls_with_local_imports_neither_torch_nor_lightning(cluster) -> None:
     loaded = set(out.split())
     assert "lightning_elastic.core.tiers.survey" in loaded
     assert "torch" not in loaded and "lightning" not in loaded
+
+
+def test_save_files_no_tier_has_a_manifest_of_are_named_with_their_size(cluster, capsys) -> None:
+    # step 5 never committed anywhere: node b holds its shard without a manifest; a folder
+    # without a manifest whose checkpoint another node committed is that checkpoint's row
+    cluster.place(cluster.b, 5, "shard")
+    (cluster.b / ckpt(5) / MANIFEST_FILE).unlink()
+    cluster.place(cluster.a, 6, "all")
+    cluster.place(cluster.b, 6, "shard")
+    (cluster.b / ckpt(6) / MANIFEST_FILE).unlink()
+    code, out, err = cluster.ls(capsys)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if "not committed on any tier" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"  {ckpt(5)}: "), out
+    assert lines[0].endswith(
+        f"save files on {cluster.b} ({_size(shard_of(cluster.b, 5).stat().st_size)})"
+    )
+    assert not any(line.startswith(ckpt(5)) for line in out.splitlines())
+    assert any(line.startswith(ckpt(6)) for line in out.splitlines())
