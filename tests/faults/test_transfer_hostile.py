@@ -10,24 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic.core.storage.checksum import new_hasher
-from lightning_elastic.core.tiers import Transfer, TransferIntegrityError
+from lightning_elastic.core.tiers import TransferIntegrityError
 from lightning_elastic.testing.spawn import run_distributed
+from tests.distributed.test_tier_transfer import data, leftovers, move, on_node
 from tests.faults import transfer_hostile_workers as workers
-
-
-def data(n: int, seed: int) -> bytes:
-    return bytes((i * 131 + seed * 17 + i // 253) % 256 for i in range(n))
-
-
-def move(src: int, dst: int, path: str, content: bytes) -> Transfer:
-    hasher = new_hasher("xxh3_64")
-    hasher.update(content)
-    return Transfer(src, dst, path, len(content), hasher.hexdigest())
-
-
-def on_node(root: Path, rank: int, path: str) -> Path:
-    return root / f"node{rank}" / path
 
 
 def run(root: Path, world: int, files: dict, transfers: list, **kwargs) -> list[dict]:
@@ -47,10 +33,6 @@ def run(root: Path, world: int, files: dict, transfers: list, **kwargs) -> list[
 def failures(result: dict) -> list[tuple[str, str]]:
     err = result["error"]
     return [] if err is None else [(f.transfer.path, f.kind) for f in err.failures]
-
-
-def leftovers(root: Path) -> list[str]:
-    return [str(p) for p in root.rglob("*") if ".tmp-" in p.name]
 
 
 def assert_clean(results: list[dict]) -> None:

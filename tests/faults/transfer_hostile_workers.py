@@ -25,14 +25,11 @@ from lightning_elastic import Storage
 from lightning_elastic.core.storage import local as local_storage
 from lightning_elastic.core.tiers import transfer
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
+from tests.distributed.tier_workers import node_storage
 
 
 class Abort(BaseException):
     """Not an ``Exception``: stands for KeyboardInterrupt or a SystemExit in mid-write."""
-
-
-def node_storage(root: str, rank: int) -> Storage:
-    return Storage(os.path.join(root, f"node{rank}"))
 
 
 def hostile_worker(
