@@ -30,7 +30,10 @@ Catalog`'s, with its guarantees: symbolic links are never followed (a linked che
 directory is not listed, a linked file is not held, a linked manifest is unreadable), hidden
 folders are skipped, manifests are strictly validated (file names are plain names, so no
 ``..``). Only ``valid`` checkpoints count: no manifest (incomplete), an unparseable, untrusted or
-newer-format manifest, or a quarantine record, and the checkpoint contributes nothing. A
+newer-format manifest, or a quarantine record, and the checkpoint contributes nothing, except
+that the save files of a folder without a manifest are listed apart (``NodeScan.uncommitted``:
+recovery may count them for the same-named checkpoint another node committed, by path and
+size, and verifies them as it verifies every copy). A
 manifest over :data:`MAX_MANIFEST_BYTES` is not read at all. Missing files are normal in the
 local tier (a node holds its own shards and replicas), so they never make a checkpoint corrupt,
 and this module never quarantines or deletes anything. A storage error on one checkpoint skips
