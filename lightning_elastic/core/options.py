@@ -15,6 +15,7 @@ import math
 import os
 import re
 import signal as signal_module
+import unicodedata
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -211,17 +212,26 @@ MAX_NODE_ID = 255
 
 
 def check_node_id(node: Any, where: str = "node") -> str:
-    """A node id: a non-empty string of at most :data:`MAX_NODE_ID` characters, without '/'
-    or control characters (it names a node in logs, manifests and the CLI's output)."""
-    if (
-        not isinstance(node, str)
-        or not node
-        or len(node) > MAX_NODE_ID
-        or "/" in node
-        or any(ord(c) < 32 or ord(c) == 127 for c in node)
+    """A node id: a non-empty string of at most :data:`MAX_NODE_ID` characters, in UTF-8,
+    without '/', control characters or line breaks (it names a node in logs, manifests and
+    the CLI's output)."""
+    if not (
+        isinstance(node, str)
+        and 0 < len(node) <= MAX_NODE_ID
+        and "/" not in node
+        and not any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in node)
+        and _utf8(node)
     ):
         raise ConfigError(
-            f"{where} must be a non-empty name of at most {MAX_NODE_ID} characters without "
-            f"'/' or control characters, got {node!r}"
+            f"{where} must be a non-empty UTF-8 name of at most {MAX_NODE_ID} characters "
+            f"without '/', control characters or line breaks, got {node!r}"
         )
     return node
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a surrogate escape: bytes of an environment not in UTF-8
+        return False
+    return True

@@ -18,6 +18,7 @@ dict as it would from its own file; per-rank state is handed back by the session
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_info
@@ -111,11 +112,21 @@ def _tiered_engine(session: ElasticSession, path: Any) -> CheckpointEngine | Non
     root, name = split_location(path)
     if not is_checkpoint_name(name):  # e.g. a Lightning file the user put there
         return None
-    root = root.rstrip("/")
+    where = _normalized(root)
     for engine in session.engines.values():
-        if engine.multi_tier and engine.storage.display().rstrip("/") == root:
+        if engine.multi_tier and _normalized(engine.storage.display()) == where:
             return engine
     return None
+
+
+def _normalized(location: str) -> str:
+    """One spelling of a directory: a local path (relative, ``./``, ``//``, ``file://``)
+    resolved; a URL without its trailing slashes."""
+    if location.startswith("file://"):
+        location = location[len("file://") :]
+    if "://" in location:
+        return location.rstrip("/")
+    return os.path.realpath(location)
 
 
 def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> None:

@@ -226,13 +226,19 @@ def test_another_jobs_checkpoint_of_the_same_name_in_the_local_root_is_never_loa
             e.save({"w": torch.full((8,), 50.0 + step), "step": step}, step=step, persist=True)
         e.wait()
     shutil.rmtree(tmp_path / "x_local")  # X restarts on the machine Y used
+    before = sorted(p.name for p in (shared / NAME).iterdir())
     state = {"w": torch.zeros(8), "step": -1}
-    with CheckpointEngine(tmp_path / "x", local_root=shared, async_save=False) as eng:
+    # X's files would go beside Y's under one name, and the node's manifest is Y's: X is
+    # refused, typed and told what to do, and neither checkpoint is touched (not Y's 72)
+    with (
+        CheckpointEngine(tmp_path / "x", local_root=shared, async_save=False) as eng,
+        pytest.raises(ConfigError, match="own local_dirpath"),
+    ):
         eng.load(state)
-    assert state["step"] == 2
-    assert torch.equal(state["w"], torch.full((8,), 52.0)), state["w"]  # not Y's 72
-    y_info = Catalog(Storage(tmp_path / "y")).info(NAME)
-    assert y_info.status == VALID
+    assert state["step"] == -1 and torch.equal(state["w"], torch.zeros(8))
+    assert sorted(p.name for p in (shared / NAME).iterdir()) == before
+    assert Catalog(Storage(shared)).info(NAME).status == VALID
+    assert Catalog(Storage(tmp_path / "x")).info(NAME).status == VALID
 
 
 # ----------------------------------------------------------------------------- node ids, roots

@@ -66,8 +66,10 @@ class NodeLayout:
     @classmethod
     def gather(cls, coord: Coordinator, node: str) -> NodeLayout:
         """Every rank, together: the layout of the job, from each rank's node id."""
-        check_node_id(node, f"the node id (node= or ${NODE_ENV})")
-        return cls.of(coord.all_gather(Phase.INIT, lambda: node))
+        ids = coord.all_gather(Phase.INIT, lambda: node)  # then checked alike on every rank
+        for rank, rank_node in enumerate(ids):
+            check_node_id(rank_node, f"the node id of rank {rank} (node= or ${NODE_ENV})")
+        return cls.of(ids)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execu
 from lightning_elastic.errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
+    ConfigError,
     IntegrityError,
     Phase,
     RankFailure,
@@ -92,6 +93,7 @@ class _Survey:
     node: str
     scan: NodeScan | None  # leads only
     persistent: tuple[CheckpointCandidate, ...] = ()  # rank 0 only: the newest few, newest first
+    occupied: tuple[CheckpointCandidate, ...] = ()  # leads: local ones recovery may not use
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,18 @@ def recover(
         plan = choice.plan
         ctx.sequence_floor = max([ctx.sequence_floor, *(c.order[1] for c in choice.candidates)])
         if plan.checkpoint is None:
+            where = (
+                f"{tiers.persistent.storage.display()} or the node-local roots "
+                f"({tiers.local.display()} on {len(tiers.layout.nodes)} node(s))"
+            )
+            if filters.checkpoint is not None:
+                raise CheckpointNotFoundError(
+                    f"no valid checkpoint {filters.checkpoint} in {where}; name one that "
+                    "`lightning-elastic ls DIR --local PATH` lists as valid"
+                )
             raise CheckpointNotFoundError(
-                f"no valid checkpoint in {tiers.persistent.storage.display()} or the node-local "
-                f"roots ({tiers.local.display()} on {len(tiers.layout.nodes)} node(s)); start "
-                "without resuming or point to a directory holding committed checkpoints"
+                f"no valid checkpoint in {where}; start without resuming or point to a "
+                "directory holding committed checkpoints"
             )
         name = plan.checkpoint
         text = _manifest_text(tiers, ctx, choice, name)
@@ -274,12 +284,16 @@ def _survey(
 ) -> _Survey:
     rank = ctx.coordinator.rank
     scan = None
+    occupied: tuple[CheckpointCandidate, ...] = ()
     if tiers.layout.is_lead(rank):
-        scan = _filtered(scan_node(ctx.storage), ctx, tiers, filters, excluded)
+        whole = scan_node(ctx.storage)
+        scan = _filtered(whole, ctx, tiers, filters, excluded)
+        kept = {c.name for c in scan.candidates} | excluded
+        occupied = tuple(c for c in whole.candidates if c.name not in kept)
     persistent: tuple[CheckpointCandidate, ...] = ()
     if rank == 0:
         persistent = _persistent_newest(tiers, filters, excluded)
-    return _Survey(tiers.node, scan, persistent)
+    return _Survey(tiers.node, scan, persistent, occupied)
 
 
 def _eligible(manifest: Manifest, tiers: TierSet, filters: Filters, local: bool) -> bool:
@@ -383,10 +397,33 @@ def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Ch
                 sorted(lost),
             )
     plan = plan_recovery(merged, nodes, persistent_newest=None)
+    _refuse_occupied(tiers, surveys, winners.get(plan.checkpoint or ""))
     if tiers.coordinator.is_coordinator:
         for skipped, why in plan.skipped.items():
             log.warning("not recovering from %s: %s", skipped, why)
     return _Choice(plan, tuple(seen), winners, conflicted, node_held)
+
+
+def _refuse_occupied(
+    tiers: TierSet, surveys: Sequence[_Survey], chosen: CheckpointCandidate | None
+) -> None:
+    """Every rank, same inputs: refuse to recover ``chosen`` when a node's local root holds
+    another checkpoint of its name that recovery may not use (another job's: its manifest
+    names another persistent root, or another run's). Its files would go beside that
+    checkpoint's, and the node's manifest would be the other one. Nothing is deleted: both
+    checkpoints stay. (A copy of the same checkpoint, e.g. after the job's directories were
+    moved, is no obstacle.)"""
+    if chosen is None:
+        return
+    name = chosen.name
+    nodes = [s.node for s in surveys for c in s.occupied if c.name == name and not _same(c, chosen)]
+    if nodes:
+        raise ConfigError(
+            f"cannot recover {name}: the node-local root {tiers.local.display()} on node(s) "
+            f"{', '.join(map(repr, nodes))} holds another checkpoint named {name} (another "
+            f"job's or run's, not of {tiers.persistent.storage.display()}). Give each job its "
+            "own local_dirpath, or move that folder out of the local root"
+        )
 
 
 def _same(a: CheckpointCandidate, b: CheckpointCandidate) -> bool:

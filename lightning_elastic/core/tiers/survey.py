@@ -140,7 +140,10 @@ def _view(
     shares = []
     union: set[str] = set()
     for scan, files in zip(scans, own, strict=True):
-        held = scan.checkpoints.get(name, {})
+        held = scan.checkpoints.get(name)
+        if held is None:  # a folder without a manifest: the files it lists, as recovery does
+            uncommitted = scan.uncommitted.get(name, {})
+            held = {p: size for p, size in uncommitted.items() if reference.get(p) == size}
         union.update(held)
         total = files if files is not None else reference
         complete = files is not None and all(path in held for path in files)
