@@ -61,6 +61,7 @@ from lightning_elastic.errors import CheckpointNotFoundError, StorageError
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "NodeScan",
+    "adoptable",
     "candidate_conflicts",
     "holdings",
     "merge_candidates",
@@ -163,6 +164,14 @@ def _scan_checkpoint(
 def _saved(name: str) -> bool:
     """A file a save wrote (not a temporary one of a write that did not finish)."""
     return is_save_file(name) and ".tmp-" not in name
+
+
+def adoptable(scan: NodeScan, name: str, listed: Mapping[str, int]) -> dict[str, int]:
+    """The files of ``scan``'s folder ``name`` without a manifest that count as held for the
+    checkpoint of that name whose manifest lists ``listed`` (path -> size): those at a listed
+    path with the listed size (recovery and ``ls --local`` count them alike)."""
+    files = scan.uncommitted.get(name, {})
+    return {path: size for path, size in files.items() if listed.get(path) == size}
 
 
 def holdings(scan: NodeScan, *, node: str, ranks: Sequence[int]) -> NodeHoldings:

@@ -41,7 +41,7 @@ from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED
 from lightning_elastic.core.save.request import SaveContext
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.core.tiers.inventory import NodeScan, holdings, scan_node
+from lightning_elastic.core.tiers.inventory import NodeScan, adoptable, holdings, scan_node
 from lightning_elastic.core.tiers.recovery import (
     CheckpointCandidate,
     Fetch,
@@ -383,10 +383,9 @@ def _plan(tiers: TierSet, surveys: Sequence[_Survey], excluded: set[str]) -> _Ch
         )
         conflicted[s.node] = lost
         held = {n: dict(files) for n, files in s.scan.checkpoints.items() if n not in lost}
-        for n, files in s.scan.uncommitted.items():  # the manifest of n did not reach the node
+        for n in s.scan.uncommitted:  # the manifest of n did not reach the node
             if n in winners and n not in held:
-                listed = winners[n].files
-                held[n] = {p: size for p, size in files.items() if listed.get(p) == size}
+                held[n] = adoptable(s.scan, n, winners[n].files)
         node_held[s.node] = held
         nodes.append(holdings(NodeScan(held), node=s.node, ranks=tiers.layout.ranks_of(s.node)))
         if lost and tiers.coordinator.is_coordinator:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_elastic.core.tiers.inventory import NodeScan, candidate_conflicts
+from lightning_elastic.core.tiers.inventory import NodeScan, adoptable, candidate_conflicts
 from lightning_elastic.core.tiers.recovery import CheckpointCandidate
 
 __all__ = ["NOTATION", "NodeShare", "TierView", "survey"]
@@ -142,8 +142,7 @@ def _view(
     for scan, files in zip(scans, own, strict=True):
         held = scan.checkpoints.get(name)
         if held is None:  # a folder without a manifest: the files it lists, as recovery does
-            uncommitted = scan.uncommitted.get(name, {})
-            held = {p: size for p, size in uncommitted.items() if reference.get(p) == size}
+            held = adoptable(scan, name, reference)
         union.update(held)
         total = files if files is not None else reference
         complete = files is not None and all(path in held for path in files)
