@@ -58,7 +58,7 @@ from lightning_elastic.core.policy.housekeeping import (
     delete_checkpoint,
 )
 from lightning_elastic.core.policy.retention import KeepEveryNSteps, KeepLastN, plan_deletions
-from lightning_elastic.core.storage.base import Entry, Storage
+from lightning_elastic.core.storage.base import Entry, Storage, local_path
 from lightning_elastic.core.tiers.inventory import NodeScan, scan_node
 from lightning_elastic.core.tiers.recovery import CheckpointCandidate
 from lightning_elastic.core.tiers.survey import NOTATION, TierView, survey
@@ -271,16 +271,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _local_path(path: str) -> str | None:
-    if path.startswith("file://"):
-        return path[len("file://") :]
-    return None if "://" in path else path
-
-
 def _open(args: argparse.Namespace, path: str) -> tuple[Storage, list[Entry]]:
     """``path`` as a storage and its listing, or a :class:`CliError` saying why it is not a
     directory (local paths only: an object store cannot tell missing from empty)."""
-    local = _local_path(path)
+    local = local_path(path)
     if local is not None:
         if not os.path.lexists(local):
             raise CliError(f"{path} does not exist (no checkpoint there)")
@@ -305,7 +299,7 @@ def _parent(path: str) -> str:
 
 def _split(path: str) -> tuple[str, str]:
     """``root/name`` -> (root, name) for local paths and URLs."""
-    local = _local_path(path)
+    local = local_path(path)
     if local is None:
         scheme, rest = path.split("://", 1)
         head, sep, name = rest.rstrip("/").rpartition("/")
@@ -560,7 +554,7 @@ def _open_nodes(args: argparse.Namespace) -> list[Storage]:
     nodes: list[Storage] = []
     seen: set[str] = set()
     for path in args.local:
-        local = _local_path(path)
+        local = local_path(path)
         key = os.path.normpath(local) if local is not None else path.rstrip("/")
         if key in seen:
             raise CliError(f"--local {path} is given twice (one --local per node)")

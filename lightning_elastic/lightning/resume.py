@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.catalog import is_checkpoint_name, split_location
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
-from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.storage.base import Storage, local_path
 from lightning_elastic.lightning._compat import (
     install_on_connector,
     set_loaded_checkpoint,
@@ -122,11 +122,8 @@ def _tiered_engine(session: ElasticSession, path: Any) -> CheckpointEngine | Non
 def _normalized(location: str) -> str:
     """One spelling of a directory: a local path (relative, ``./``, ``//``, ``file://``)
     resolved; a URL without its trailing slashes."""
-    if location.startswith("file://"):
-        location = location[len("file://") :]
-    if "://" in location:
-        return location.rstrip("/")
-    return os.path.realpath(location)
+    local = local_path(location)
+    return location.rstrip("/") if local is None else os.path.realpath(local)
 
 
 def install_dataloader_hook(trainer: pl.Trainer, session: ElasticSession) -> None:

@@ -30,7 +30,7 @@ from lightning_elastic.core.format.integrity import check_verify_mode, raise_fir
 from lightning_elastic.core.format.optimizer_state import is_named, named_to_positional
 from lightning_elastic.core.load.load import read_full_state
 from lightning_elastic.core.load.select import select_checkpoint
-from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.storage.base import Storage, local_path
 from lightning_elastic.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -174,11 +174,10 @@ def _verified(
 
 
 def _output_path(dst: str | os.PathLike[str]) -> str:
-    text = os.fspath(dst)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    if "://" in text:
-        raise ConfigError(f"dst must be a local file path, got {text!r}")
+    given = os.fspath(dst)
+    text = local_path(given)
+    if text is None:
+        raise ConfigError(f"dst must be a local file path, got {given!r}")
     output = os.path.abspath(text)
     if os.path.isdir(output):
         raise ConfigError(f"{text} is a directory: name the file to write")

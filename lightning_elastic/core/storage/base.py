@@ -29,7 +29,7 @@ from typing import Any
 from lightning_elastic.core.storage.retry import RetryPolicy, retry_call
 from lightning_elastic.errors import StorageError
 
-__all__ = ["Buffer", "Entry", "Storage", "Written", "backend_for", "check_rel_path"]
+__all__ = ["Buffer", "Entry", "Storage", "Written", "backend_for", "check_rel_path", "local_path"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -52,6 +52,14 @@ class Entry:
     size: int
     is_link: bool = False
     mtime: float | None = None
+
+
+def local_path(location: str) -> str | None:
+    """The local path ``location`` names (a bare path, or a ``file://`` URL), or ``None`` for
+    a URL of another protocol."""
+    if location.startswith("file://"):
+        return location[len("file://") :]
+    return None if "://" in location else location
 
 
 def check_rel_path(rel: str) -> str:
