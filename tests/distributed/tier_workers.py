@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -96,27 +97,46 @@ def transfer_worker(
 
 
 def _fail_mid_stream(storage: Storage, path: str, n: int) -> None:
-    read_into, write_stream = storage.read_into, storage.write_stream
+    fail_reads_after(storage, path, n, lambda: OSError(f"I/O error after {n} chunks"))
+    fail_writes_after(
+        storage, path, n, lambda: OSError(f"No space left on device after {n} chunks")
+    )
+
+
+def fail_reads_after(
+    storage: Storage, path: str, n: int, error: Callable[[], BaseException]
+) -> None:
+    """``storage``'s reads of ``path`` raise ``error()`` from the ``n + 1``-th on (one read
+    is one chunk the sender sends)."""
+    read_into = storage.read_into
     reads = [0]
 
-    def failing_read(rel: str, offset: int, out: memoryview) -> None:
+    def failing(rel: str, offset: int, out: memoryview) -> None:
         if rel == path:
             reads[0] += 1
             if reads[0] > n:
-                raise OSError(f"I/O error after {n} chunks")
+                raise error()
         read_into(rel, offset, out)
 
-    def failing_write(rel: str, chunks: Any, **kwargs: Any) -> Any:
+    storage.read_into = failing  # type: ignore[method-assign]
+
+
+def fail_writes_after(
+    storage: Storage, path: str, n: int, error: Callable[[], BaseException]
+) -> None:
+    """``storage``'s writes of ``path`` raise ``error()`` after taking ``n`` chunks."""
+    write_stream = storage.write_stream
+
+    def failing(rel: str, chunks: Any, **kwargs: Any) -> Any:
         def cut() -> Any:
             for i, chunk in enumerate(chunks()):
                 if i == n:
-                    raise OSError(f"No space left on device after {n} chunks")
+                    raise error()
                 yield chunk
 
         return write_stream(rel, cut if rel == path else chunks, **kwargs)
 
-    storage.read_into = failing_read  # type: ignore[method-assign]
-    storage.write_stream = failing_write  # type: ignore[method-assign]
+    storage.write_stream = failing  # type: ignore[method-assign]
 
 
 def _count(messages: dict[str, int], flip: bool) -> None:

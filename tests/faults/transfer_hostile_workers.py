@@ -25,6 +25,7 @@ from lightning_elastic import Storage
 from lightning_elastic.core.storage import local as local_storage
 from lightning_elastic.core.tiers import transfer
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
+from tests.distributed import tier_workers
 from tests.distributed.tier_workers import node_storage
 
 
@@ -195,18 +196,9 @@ def exists_lies(storage: Storage, seen: dict[str, Any], path: str) -> None:
 
 def abort_writer(storage: Storage, seen: dict[str, Any], path: str, after: int) -> None:
     """The write of ``path`` is interrupted by a BaseException after ``after`` chunks."""
-    write_stream = storage.write_stream
-
-    def aborting(rel: str, chunks: Any, **kwargs: Any) -> Any:
-        def cut() -> Any:
-            for i, chunk in enumerate(chunks()):
-                if i == after:
-                    raise Abort(f"interrupted after {after} chunks")
-                yield chunk
-
-        return write_stream(rel, cut if rel == path else chunks, **kwargs)
-
-    storage.write_stream = aborting  # type: ignore[method-assign]
+    tier_workers.fail_writes_after(
+        storage, path, after, lambda: Abort(f"interrupted after {after} chunks")
+    )
 
 
 def change_source_mid_stream(
@@ -236,32 +228,18 @@ def change_source_mid_stream(
 
 
 def fail_reads_after(storage: Storage, seen: dict[str, Any], path: str, n: int) -> None:
-    read_into = storage.read_into
-    reads = [0]
-
-    def failing(rel: str, offset: int, out: memoryview) -> None:
-        if rel == path:
-            reads[0] += 1
-            if reads[0] > n:
-                raise OSError(errno.EBADF, "read error (injected)")
-        read_into(rel, offset, out)
-
-    storage.read_into = failing  # type: ignore[method-assign]
+    tier_workers.fail_reads_after(
+        storage, path, n, lambda: OSError(errno.EBADF, "read error (injected)")
+    )
 
 
 def fail_writes_after(storage: Storage, seen: dict[str, Any], path: str, n: int) -> None:
-    write_stream = storage.write_stream
-
-    def failing(rel: str, chunks: Any, **kwargs: Any) -> Any:
-        def cut() -> Any:
-            for i, chunk in enumerate(chunks()):
-                if i == n:
-                    raise OSError(errno.ENOSPC, f"No space left on device after {n} chunks")
-                yield chunk
-
-        return write_stream(rel, cut if rel == path else chunks, **kwargs)
-
-    storage.write_stream = failing  # type: ignore[method-assign]
+    tier_workers.fail_writes_after(
+        storage,
+        path,
+        n,
+        lambda: OSError(errno.ENOSPC, f"No space left on device after {n} chunks"),
+    )
 
 
 def slow_reads(storage: Storage, seen: dict[str, Any], path: str, delay: float) -> None:
