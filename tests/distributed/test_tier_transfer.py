@@ -110,6 +110,23 @@ def test_a_three_rank_cycle_and_a_swap_complete_in_list_order(tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_sends_while_it_receives(tmp_path) -> None:
+    """Both directions at once: rank 1's write of what rank 0 sends it (the first transfer)
+    waits until rank 1 has sent its own file to rank 0 (the second); one transfer after the
+    other, it would wait for ever (here: fail after 20 s)."""
+    a, b = data(6000, 4), data(7000, 5)
+    files = {0: {"s/a": a}, 1: {"s/b": b}}
+    transfers = [move(0, 1, "s/a", a), move(1, 0, "s/b", b)]
+    results = run(
+        tmp_path, 2, files, transfers, chunk_bytes=1000, write_after_sent=(1, "s/a", "s/b")
+    )
+    assert [r["error"] for r in results] == [None, None]
+    assert on_node(tmp_path, 1, "s/a").read_bytes() == a
+    assert on_node(tmp_path, 0, "s/b").read_bytes() == b
+    assert all(r["seconds"] < 15 for r in results)
+
+
+@pytest.mark.timeout(120)
 def test_a_file_of_many_chunks_and_an_empty_file_arrive_whole(tmp_path) -> None:
     big, empty = data(10_000, 3), b""
     files = {0: {"s/big": big, "s/empty": empty}}

@@ -36,6 +36,7 @@ def transfer_worker(
     in_thread: bool = False,
     memory: dict[int, dict[str, list[bytes | bytearray]]] | None = None,
     fail_after_chunks: tuple[int, str, int] | None = None,
+    write_after_sent: tuple[int, str, str] | None = None,
 ) -> dict[str, Any]:
     """Write this rank's ``files``, run the transfers on a dedicated gloo group and return
     the stats (or the error), the seconds taken and the messages counted by kind.
@@ -46,13 +47,17 @@ def transfer_worker(
     ``memory`` gives a rank's ``sources``: path -> the pieces sent from memory (``bytes`` are
     read-only buffers, ``bytearray`` writable ones). ``fail_after_chunks=(rank, path, n)``
     makes that rank's reads (as sender) or writes (as receiver) of ``path`` fail after ``n``
-    chunks (a disk error in mid-stream)."""
+    chunks (a disk error in mid-stream). ``write_after_sent=(rank, received, sent)`` holds
+    that rank's write of ``received`` (its first chunk) until its send of ``sent`` has
+    finished, for at most 20 s (then the write fails)."""
     rank = dist.get_rank()
     storage = node_storage(root, rank)
     for path, data in files.get(rank, {}).items():
         storage.write_bytes(path, data)
     if fail_after_chunks is not None and rank == fail_after_chunks[0]:
         _fail_mid_stream(storage, *fail_after_chunks[1:])
+    if write_after_sent is not None and rank == write_after_sent[0]:
+        _write_after_sent(storage, *write_after_sent[1:])
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if rank == exit_on_rank:
         os._exit(0)  # a rank that dies after setup: its peers must not hang
@@ -94,6 +99,31 @@ def transfer_worker(
     else:
         work()
     return {**outcome, "seconds": time.monotonic() - start, "messages": messages}
+
+
+def _write_after_sent(storage: Storage, received: str, sent: str) -> None:
+    done = threading.Event()
+    send = transfer._send
+
+    def sending(t: Transfer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return send(t, *args, **kwargs)
+        finally:
+            if t.path == sent:
+                done.set()
+
+    transfer._send = sending  # type: ignore[assignment]
+    write_stream = storage.write_stream
+
+    def held(rel: str, chunks: Any, **kwargs: Any) -> Any:
+        def after_the_send() -> Any:
+            if rel == received and not done.wait(20):
+                raise OSError(f"{sent} was not sent while {received} was received")
+            yield from chunks()
+
+        return write_stream(rel, after_the_send, **kwargs)
+
+    storage.write_stream = held  # type: ignore[method-assign]
 
 
 def _fail_mid_stream(storage: Storage, path: str, n: int) -> None:

@@ -3,16 +3,21 @@
 
 Which rank calls what, in what order:
     Every rank named in ``transfers`` calls :func:`execute_transfers` with the same list, in
-    the same order (a rank named in none returns at once, or need not call it). Each rank walks
-    the list and takes part only in the transfers where it is ``src`` or ``dst``, one at a
-    time, with blocking point-to-point send/recv on ``group`` (no other collective, so it may
-    run in a background thread on a dedicated group).
+    the same order (a rank named in none returns at once, or need not call it). Each rank
+    takes part only in the transfers where it is ``src`` or ``dst``, in two directions at
+    once (the receiving one on a thread): the transfers it sends, one at a time in list order,
+    and those it receives, one at a time in list order, with point-to-point send/recv on
+    ``group`` (no other collective, so it may run in a background thread on a dedicated
+    group). A node thus sends its replicas while it receives the other nodes' (measured, 550
+    MB each way between 2 processes on 2 cores: 0.52-0.84 s where one direction after the
+    other took 0.62-1.6 s).
 
-    Why this cannot deadlock: take the earliest transfer in the list that is not finished.
-    Both of its ranks have finished every earlier transfer they take part in, so both are at
-    this one, and its exchange is one fixed sequence in which each step has one of them
-    sending and the other receiving: it finishes, and by induction so do all. A cycle
-    (A->B, B->C, C->A) is served one transfer after the other; nobody waits in a circle.
+    Why this cannot deadlock: take the earliest transfer in the list that is not finished,
+    ``A -> B``. A's sending direction has finished every earlier transfer A sends, and B's
+    receiving direction every earlier transfer B receives, so both are at this one, and its
+    exchange is one fixed sequence in which each step has one of them sending and the other
+    receiving (its own tag: no message of another transfer matches): it finishes, and by
+    induction so do all. A cycle (A->B, B->C, C->A) runs at once.
 
 One transfer's exchange (tag = its index in the list, so no message matches another one):
     1. dst -> src  int64 [want]: 0 when dst already holds a file of this size and checksum
@@ -25,18 +30,20 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
        written and matches. Both ranks thus agree on the outcome of every transfer.
     Each side works one chunk ahead: src reads (and hashes) the next chunk while the last one
     is sent (``isend``), dst receives the next chunk on a thread while it writes the last one,
-    so the file I/O overlaps the network (two buffers per rank, used in turn).
+    so the file I/O overlaps the network (two buffers per direction, used in turn).
     A failing rank keeps to the exchange (dst takes the rest of a file it could not write), so
     failures are in-band and the later transfers go on; at the end each rank raises one
     :class:`TransferError` listing its failed transfers. Only a broken connection leaves the
-    exchange. A dead peer: that rank skips its remaining transfers with that peer, and the
-    peer fails by its own timeout. A ``timeout`` that expires: gloo closes every connection
-    of the group on that rank, so it skips all its remaining transfers (its peers see the
-    connection close); the caller rebuilds the group before using it again.
+    exchange. A dead peer: that rank skips its remaining transfers with that peer, in both
+    directions, and the peer fails by its own timeout. A ``timeout`` that expires: gloo
+    closes every connection of the group on that rank, so it skips all its remaining
+    transfers (its peers see the connection close); the caller rebuilds the group before
+    using it again.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -263,7 +270,8 @@ def execute_transfers(
             group, never the one training runs on.
         storage: this rank's storage (sender: read from; receiver: written with exclusive
             create, hashed on the way).
-        chunk_bytes: bytes per message; also the size of each of this rank's two buffers.
+        chunk_bytes: bytes per message; also the size of each of the two buffers of each
+            direction (sending, receiving) of this rank.
         timeout: the longest one send or receive may wait (``None``: the group's timeout).
         sources: the bytes of files this rank sends from memory instead of reading them from
             ``storage`` (by path): a save's staged payload, just written to the file. They are
@@ -280,47 +288,124 @@ def execute_transfers(
     """
     _validate(transfers, chunk_bytes)
     start = time.monotonic()
-    mine = [(i, t) for i, t in enumerate(transfers) if rank in (t.src, t.dst)]
-    size = min(chunk_bytes, max((t.size for _, t in mine), default=0))
-    buffers = _Buffers(size)
-    counts = {f.name: 0 for f in fields(TransferStats) if f.name != "seconds"}
-    failures: list[TransferFailure] = []
-    lost: set[int] = set()
-    timed_out = False  # gloo closed every connection of the group on this rank
-    for index, t in enumerate(transfers):
-        if rank not in (t.src, t.dst):
-            continue
-        peer = t.dst if rank == t.src else t.src
-        if peer in lost or timed_out:
-            reason = f"not attempted: the connection to rank {peer} broke earlier"
-            if timed_out:
-                reason = (
-                    "not attempted: a send/receive of this rank timed out earlier, which "
-                    "closes all its connections on the group"
-                )
-            failures.append(TransferFailure(t, "communication", reason))
-            continue
-        link = _Link(group, peer, index, timeout)
+    peers = _Peers()
+    lanes = [
+        _Lane(
+            [(i, t) for i, t in enumerate(transfers) if (t.src if sending else t.dst) == rank],
+            sending=sending,
+            peers=peers,
+        )
+        for sending in (True, False)
+    ]
+    run = functools.partial(
+        _Lane.run,
+        group=group,
+        storage=storage,
+        chunk_bytes=chunk_bytes,
+        timeout=timeout,
+        sources=sources or {},
+    )
+    sends, receives = lanes
+    if sends.transfers and receives.transfers:  # both directions at once
+        thread = threading.Thread(target=run, args=(receives,), name="le-transfer-in", daemon=True)
+        thread.start()
         try:
-            if rank == t.src:
-                source = (sources or {}).get(t.path)
-                failure = _send(t, link, storage, buffers, chunk_bytes, counts, source)
-            else:
-                failure = _receive(t, link, storage, buffers, counts)
-        except _PeerLost as exc:
-            lost.add(peer)
-            timed_out = timed_out or exc.timed_out
-            buffers = _Buffers(size)  # a receive that timed out may still land in the old ones
-            failure = TransferFailure(t, "communication", str(exc))
-        if failure is not None:
-            log.warning("transfer of %s failed (%s): %s", t.path, failure.kind, failure.reason)
-            failures.append(failure)
+            run(sends)
+        finally:
+            thread.join()
+    else:
+        for lane in lanes:
+            run(lane)
+    for lane in lanes:
+        if lane.crashed is not None:
+            raise lane.crashed
+    counts = {f.name: 0 for f in fields(TransferStats) if f.name != "seconds"}
+    for lane in lanes:
+        for key, value in lane.counts.items():
+            counts[key] += value
     stats = TransferStats(**counts, seconds=time.monotonic() - start)
-    del buffers  # not kept alive by the traceback of the error below
+    failures = [f for _, f in sorted(sends.failures + receives.failures, key=lambda x: x[0])]
     if failures:
         integrity = all(f.kind == "integrity" for f in failures)
         raise (TransferIntegrityError if integrity else TransferError)(failures, stats)
     return stats
+
+
+class _Peers:
+    """What both directions of a rank know about its connections: the peers whose connection
+    broke, and whether a wait timed out (gloo then closed every connection of the group on
+    this rank)."""
+
+    def __init__(self) -> None:
+        self.lost: set[int] = set()
+        self.timed_out = False
+
+    def skip_reason(self, peer: int) -> str | None:
+        if self.timed_out:
+            return (
+                "not attempted: a send/receive of this rank timed out earlier, which closes "
+                "all its connections on the group"
+            )
+        if peer in self.lost:
+            return f"not attempted: the connection to rank {peer} broke earlier"
+        return None
+
+
+class _Lane:
+    """One direction of a rank's transfers (those it sends, or those it receives), taken one
+    at a time in list order; the two directions run at once (module header)."""
+
+    def __init__(self, transfers: list[tuple[int, Transfer]], *, sending: bool, peers: _Peers):
+        self.transfers, self.sending, self.peers = transfers, sending, peers
+        self.counts = {f.name: 0 for f in fields(TransferStats) if f.name != "seconds"}
+        self.failures: list[tuple[int, TransferFailure]] = []
+        self.crashed: BaseException | None = None  # not a transfer's failure: a bug, an interrupt
+
+    def run(
+        self,
+        *,
+        group: dist.ProcessGroup | None,
+        storage: Storage,
+        chunk_bytes: int,
+        timeout: timedelta | None,
+        sources: Mapping[str, Callable[[], Iterable[memoryview]]],
+    ) -> None:
+        try:
+            self._run(group, storage, chunk_bytes, timeout, sources)
+        except BaseException as exc:  # raised by execute_transfers, on the caller's thread
+            self.crashed = exc
+
+    def _run(
+        self,
+        group: dist.ProcessGroup | None,
+        storage: Storage,
+        chunk_bytes: int,
+        timeout: timedelta | None,
+        sources: Mapping[str, Callable[[], Iterable[memoryview]]],
+    ) -> None:
+        size = min(chunk_bytes, max((t.size for _, t in self.transfers), default=0))
+        buffers = _Buffers(size)
+        for index, t in self.transfers:
+            peer = t.dst if self.sending else t.src
+            reason = self.peers.skip_reason(peer)
+            if reason is not None:
+                self.failures.append((index, TransferFailure(t, "communication", reason)))
+                continue
+            link = _Link(group, peer, index, timeout)
+            try:
+                if self.sending:
+                    source = sources.get(t.path)
+                    failure = _send(t, link, storage, buffers, chunk_bytes, self.counts, source)
+                else:
+                    failure = _receive(t, link, storage, buffers, self.counts)
+            except _PeerLost as exc:
+                self.peers.lost.add(peer)
+                self.peers.timed_out = self.peers.timed_out or exc.timed_out
+                buffers = _Buffers(size)  # a receive that timed out may still land in the old
+                failure = TransferFailure(t, "communication", str(exc))
+            if failure is not None:
+                log.warning("transfer of %s failed (%s): %s", t.path, failure.kind, failure.reason)
+                self.failures.append((index, failure))
 
 
 def _validate(transfers: Sequence[Transfer], chunk_bytes: int) -> None:
