@@ -288,7 +288,8 @@ def test_a_live_but_late_peer_fails_the_waiting_rank_after_the_timeout(tmp_path)
     early = results[0]
     assert 1.5 < early["seconds"] < 5  # its 2 s timeout, not the 6 s its peer slept
     assert [f.kind for f in early["error"].failures] == ["communication", "communication"]
-    assert "Timed out" in early["error"].failures[0].reason
+    # the first of its two directions to wait 2 s: "Timed out", the other: the pair closed
+    assert "Timed out" in str(early["error"])
     # the late rank fails too (the waiting rank gave up and left), typed, not hung
     assert [f.kind for f in results[1]["error"].failures] == ["communication", "communication"]
 

@@ -112,7 +112,7 @@ def _write_after_sent(storage: Storage, received: str, sent: str) -> None:
             if t.path == sent:
                 done.set()
 
-    transfer._send = sending  # type: ignore[assignment]
+    transfer._send = sending
     write_stream = storage.write_stream
 
     def held(rel: str, chunks: Any, **kwargs: Any) -> Any:

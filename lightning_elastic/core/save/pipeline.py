@@ -50,9 +50,17 @@ def stage_save(ctx: SaveContext, planned: PlannedSave, copy: bool) -> Payload:
 
 
 def finish_save(
-    ctx: SaveContext, planned: PlannedSave, payload: Payload, blocked_s: float, staging_s: float
+    ctx: SaveContext,
+    planned: PlannedSave,
+    payload: Payload,
+    blocked_s: float,
+    staging_s: float,
+    *,
+    housekeeping: bool = True,
 ) -> SaveResult:
-    """Write this rank's shard, take part in the commit, and return or raise the outcome."""
+    """Write this rank's shard, take part in the commit, and return or raise the outcome.
+    ``housekeeping=False``: rank 0 leaves :func:`housekeep` (claims, leftovers, retention)
+    after its commit to the caller."""
     coord = ctx.coordinator
     ckpt = ctx.storage.child(planned.name)
     write_start = time.monotonic()
@@ -72,7 +80,7 @@ def finish_save(
     if not decision.committed:
         raise decision.error(what)
     ctx.parent = planned.name  # the next save continues this one
-    if manifest is not None:
+    if manifest is not None and housekeeping:
         housekeep(ctx, manifest)
     return SaveResult(
         name=planned.name,

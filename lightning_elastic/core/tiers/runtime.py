@@ -17,7 +17,8 @@ Which rank calls what, in what order (the engine does; every rank, same order):
   handed to every rank through the store, each rank's shard is sent to its replica nodes and
   the DCP metadata to every node (point-to-point on the tier group, checksums checked at the
   receiver), each other node's lead writes the manifest into its local root (last, with
-  exclusive create) and applies the local retention there; then, when decided, the persist
+  exclusive create), and every node's lead applies the local retention there (rank 0 too:
+  only now, so its deletes delay no rank's copies); then, when decided, the persist
   is handed to the persister thread (:mod:`~lightning_elastic.core.tiers.persist`).
 
 A replica that could not be sent (a peer died) is logged and counted, not raised: the save is
@@ -354,10 +355,12 @@ class TierSet:
         persist: bool,
     ) -> SaveResult:
         """The background part of a tiered save (module docstring)."""
-        result = finish_save(ctx, planned, payload, blocked_s, staging_s)
+        result = finish_save(ctx, planned, payload, blocked_s, staging_s, housekeeping=False)
         manifest, text = self._share_manifest(ctx, planned, result)
         ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
         self._replicate(ctx, manifest, text, payload)
+        if result.manifest is not None:  # rank 0, after the others have the manifest: its
+            housekeep(ctx, result.manifest)  # retention deletes (~0.1 s a GB) delay no one
         self._latest = manifest
         if persist:
             self._submit(ctx, manifest)

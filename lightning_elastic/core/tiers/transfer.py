@@ -198,7 +198,7 @@ class _Link:
             work.wait() if self.timeout is None else work.wait(self.timeout)
         except Exception as exc:
             message = f"send/recv with rank {self.peer} failed: {exc}"
-            raise _PeerLost(message, timed_out="Timed out" in str(exc)) from exc
+            raise _PeerLost(message, timed_out=_timed_out(str(exc))) from exc
 
     def isend(self, tensor: torch.Tensor) -> Any:
         """Start sending ``tensor``; it must stay unchanged until :meth:`wait` returns."""
@@ -231,6 +231,12 @@ class _Link:
         if length:
             self.recv(out)
         return bytes(out.numpy()).decode(errors="replace")
+
+
+def _timed_out(message: str) -> bool:
+    """Whether gloo's error says a wait expired: this one ("Timed out waiting ...") or, seen
+    by the other direction's wait, the closing of the connection that followed it."""
+    return "Timed out" in message or "timeout caused pair closure" in message
 
 
 class _Buffers:
