@@ -15,9 +15,11 @@ from tests.distributed.tier_engine_workers import (
     files_read,
     load_latest,
     load_sharded,
+    load_spared,
     persist_fails,
     save_steps,
     sharded_steps,
+    spare_cycle,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -205,3 +207,45 @@ def test_each_node_gets_only_the_files_its_ranks_read_and_the_replicas_it_holds(
     held = files(tmp_path / "local_b" / ckpt)
     assert sum(f.endswith(".distcp") for f in held) == 2 and "manifest.json" in held, held
     assert not any(f.endswith("rank00002.distcp") for f in held), held
+
+
+def test_saves_overwrite_the_files_retention_deleted_and_every_kept_checkpoint_verifies(
+    tmp_path,
+) -> None:
+    """A node's lead keeps the large files of the checkpoints its retention deletes (a 2 MiB
+    shard per rank and its replica here) and the next saves write into them; never a file a
+    kept checkpoint still names; close deletes them; what was written over them loads and
+    verifies."""
+    from lightning_elastic.cli import main as cli
+
+    steps = [1, 2, 3, 4, 5, 6]
+    out = run_distributed(spare_cycle, 2, str(tmp_path), NODES, steps)
+    for o in out:
+        for pool, held in zip(o["pool"], o["checkpoints"], strict=True):
+            assert not set(pool) & set(held), "a spare is a file of a kept checkpoint"
+        assert not o["pool"][0] and not o["pool"][1], "nothing deleted by the second save"
+        assert o["pool"][2], "the third save's retention kept the first save's large files"
+        spared = set().union(*map(set, o["pool"]))
+        later = set().union(*map(set, o["checkpoints"][3:]))
+        assert spared & later, "no save wrote into a spare"
+        assert o["before_close"] > 0 and o["after_close"] == []
+    for node in NODES:
+        local = tmp_path / f"local_{node}"
+        assert names(local) == ["step_000000005", "step_000000006"]
+        for name in names(local):
+            assert cli(["verify", str(local / name)]) == 0
+        assert ".spares" not in json.dumps(cli_ls(local))
+    got = run_distributed(load_spared, 2, str(tmp_path), NODES)
+    assert [(g["step"], g["tier"], g["ok"]) for g in got] == [(6, "local", True)] * 2
+
+
+def cli_ls(local: Path) -> list[str]:
+    import contextlib
+    import io
+
+    from lightning_elastic.cli import main as cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        cli(["ls", str(local)])
+    return buf.getvalue().splitlines()

@@ -212,3 +212,47 @@ def load_sharded(root: str, nodes: list[str], **options: Any) -> dict[str, Any]:
             and result.rank_state == {"rank": rank}
         ),
     }
+
+
+def spare_cycle(root: str, nodes: list[str], steps: list[int]) -> dict[str, Any]:
+    """Save ``steps`` with a 2 MiB per-rank entry (one rank per node, so each rank is its
+    node's lead): after each save, the inodes of the node's spare files and of the files of
+    its checkpoints; the spare files left at the end, before and after ``close``."""
+    rank = dist.get_rank()
+    local = local_root(root, nodes[rank])
+    pool = os.path.join(local, ".spares")
+
+    def inodes(top: str) -> set[int]:
+        return {os.stat(os.path.join(d, n)).st_ino for d, _, names in os.walk(top) for n in names}
+
+    out: dict[str, Any] = {"pool": [], "checkpoints": []}
+    eng = engine(root, nodes, local_keep=2)
+    with eng:
+        for step in steps:
+            state = {"w": torch.arange(4096.0) + step, "step": step}
+            state["mine"] = torch.full((512 * 1024,), float(100 * step + rank))
+            eng.save(state, step=step, rank_state={"rank": rank, "step": step}).result()
+            eng.wait()
+            out["pool"].append(sorted(inodes(pool)) if os.path.isdir(pool) else [])
+            ckpts = [os.path.join(local, n) for n in os.listdir(local) if n.startswith("step_")]
+            out["checkpoints"].append(sorted(set().union(*(inodes(c) for c in ckpts))))
+        out["before_close"] = len(os.listdir(pool)) if os.path.isdir(pool) else 0
+    out["after_close"] = os.listdir(pool) if os.path.isdir(pool) else []
+    return out
+
+
+def load_spared(root: str, nodes: list[str]) -> dict[str, Any]:
+    """Recover :func:`spare_cycle`'s newest save into zeros."""
+    rank = dist.get_rank()
+    state: dict[str, Any] = {"w": torch.zeros(4096), "step": -1, "mine": torch.zeros(512 * 1024)}
+    with engine(root, nodes) as eng:
+        eng.load(state)
+        rec = eng.last_recovery
+        assert rec is not None
+        step = state["step"]
+        return {
+            "step": step,
+            "tier": rec.to_json()["tier"],
+            "ok": bool(torch.equal(state["w"], torch.arange(4096.0) + step))
+            and bool(torch.all(state["mine"] == 100 * step + rank)),
+        }

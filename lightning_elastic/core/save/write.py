@@ -58,7 +58,11 @@ def write_shard(
     file_name = rel_path.rsplit("/", 1)[-1]
     if compression is None:
         written = storage.write_stream(
-            rel_path, payload.chunks, checksum=checksum, direct=payload.image is not None
+            rel_path,
+            payload.chunks,
+            checksum=checksum,
+            direct=payload.image is not None,
+            size=payload.size,
         )
         with paused_gc():  # CPU only, one result per item: see core/gcpause.py
             results = tuple(

@@ -185,6 +185,7 @@ class Storage:
         exclusive: bool = False,
         durable: bool | None = None,
         direct: bool = False,
+        size: int | None = None,
     ) -> Written:
         """Write the chunks produced by ``chunks()`` to ``rel``, hashing them on the way.
 
@@ -192,7 +193,8 @@ class Storage:
         byte. With ``exclusive`` the file appears atomically and only if it did not exist;
         otherwise :class:`~lightning_elastic.errors.CheckpointExistsError` is raised.
         ``durable=False`` skips the fsyncs (for advisory files). ``direct`` says the chunks are
-        page-aligned host buffers (local disks may then bypass the page cache).
+        page-aligned host buffers (local disks may then bypass the page cache). ``size``: the
+        bytes expected, a hint (a local root keeping spares reuses one of that size).
         """
         raise NotImplementedError
 

@@ -101,6 +101,7 @@ class FsspecStorage(Storage):
         exclusive: bool = False,
         durable: bool | None = None,
         direct: bool = False,
+        size: int | None = None,
     ) -> Written:
         path = self.full(rel)
         written: Written = self._call(

@@ -685,7 +685,7 @@ def _download(src: Storage, dst: Storage, rel: str, record: FileRecord, alg: str
         for start in range(0, size, _CHUNK):
             yield src.read_bytes(rel, start, min(_CHUNK, size - start))
 
-    written = dst.write_stream(rel, chunks, checksum=alg)
+    written = dst.write_stream(rel, chunks, checksum=alg, size=size)
     if written.size != size or written.checksum != checksum:
         dst.delete(rel)
         raise IntegrityError(

@@ -51,6 +51,7 @@ from lightning_elastic.core.save.pipeline import finish_save, housekeep
 from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.storage.local import LocalStorage
 from lightning_elastic.core.tiers.epoch import EPOCH_SHIFT, claim_epoch
 from lightning_elastic.core.tiers.layout import NODE_ENV, NodeLayout, node_name
 from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
@@ -110,6 +111,9 @@ class TierSet:
             )
         coord = self.coordinator = coordinator
         self.local = local
+        # deleted checkpoints' large files are kept for the next save to overwrite (no new
+        # pages to fault in); the node's lead sizes the pool after each save (_size_spares)
+        self.spares = local.keep_spares() if isinstance(local, LocalStorage) else None
         self.timeout = timeout
         self.node = node or node_name()
         self.layout = NodeLayout.gather(coord, self.node)
@@ -290,10 +294,14 @@ class TierSet:
         self._group_broken = False
 
     def close(self) -> None:
-        """Release the persister thread and the tier group (after :meth:`wait`)."""
+        """Release the persister thread and the tier group (after :meth:`wait`); a node's
+        lead deletes the node's spare files."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.spares is not None and self.layout.is_lead(self.coordinator.rank):
+            self.spares.limit = 0
+            self.spares.clear()
         if self.group is not None and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.group)
@@ -358,9 +366,9 @@ class TierSet:
         result = finish_save(ctx, planned, payload, blocked_s, staging_s, housekeeping=False)
         manifest, text = self._share_manifest(ctx, planned, result)
         ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
-        self._replicate(ctx, manifest, text, payload)
-        if result.manifest is not None:  # rank 0, after the others have the manifest: its
-            housekeep(ctx, result.manifest)  # retention deletes (~0.1 s a GB) delay no one
+        if self._replicate(ctx, manifest, text, payload):  # this node's lead: its copy is
+            self._size_spares(ctx, manifest)  # committed; rank 0 retains only now, so its
+            housekeep(ctx, manifest)  # deletes (~0.1 s a GB) delay nobody's copies
         self._latest = manifest
         if persist:
             self._submit(ctx, manifest)
@@ -404,9 +412,10 @@ class TierSet:
             ch.ack(save_id)
         return result.manifest or Manifest.from_json(text, what), text
 
-    def _replicate(self, ctx: SaveContext, manifest: Manifest, text: str, payload: Payload) -> None:
+    def _replicate(self, ctx: SaveContext, manifest: Manifest, text: str, payload: Payload) -> bool:
         """Replicas and the DCP metadata to the other nodes; then each other node's lead
-        commits its copy (manifest last) and applies the local retention there. A rank's
+        commits its copy (manifest last). Whether this rank is a node's lead whose root now
+        holds the committed copy (rank 0: its own commit), to retain there. A rank's
         own shard is sent from its staged payload (still intact: the next save stages only
         after this one finished), not read back from the file it was written to; the
         receiver checks it against the manifest's checksum all the same."""
@@ -440,7 +449,7 @@ class TierSet:
                     self._group_broken = True  # replaced at the next save (all ranks agree)
                 log.warning("replicas of %s are incomplete: %s", manifest.name, exc)
         if rank == 0 or not self.layout.is_lead(rank):
-            return  # rank 0 committed into its node's root itself
+            return rank == 0  # rank 0 committed into its node's root itself
         try:
             body = text.encode()
             ctx.storage.write_bytes(f"{manifest.name}/{MANIFEST_FILE}", body, exclusive=True)
@@ -449,11 +458,22 @@ class TierSet:
                 "%s already holds a manifest: this node keeps no copy of the save",
                 ctx.storage.display(manifest.name),
             )
-            return
+            return False
         except Exception:
             log.warning("could not commit %s on node %s", manifest.name, self.node, exc_info=True)
+            return False
+        return True
+
+    def _size_spares(self, ctx: SaveContext, manifest: Manifest) -> None:
+        """Let the node's spare pool keep about what this save wrote on the node (its ranks'
+        shards and the replicas it received): what the next save will write here."""
+        if self.spares is None:
             return
-        housekeep(ctx, manifest)
+        try:
+            entries = ctx.storage.listdir(manifest.name)
+        except StorageError:
+            return
+        self.spares.limit = sum(e.size for e in entries if not e.is_dir and not e.is_link)
 
     def transfers(self, manifest: Manifest) -> list[Transfer]:
         """The copies one save makes: each rank's shard to the leads of its replica nodes,

@@ -572,12 +572,14 @@ def _write(t: Transfer, storage: Storage, incoming: _Incoming) -> Written:
     error that stopped the first attempt."""
     try:
         return storage.with_retry(_ONE_ATTEMPT).write_stream(
-            t.path, incoming.chunks, checksum=t.algorithm, exclusive=True
+            t.path, incoming.chunks, checksum=t.algorithm, exclusive=True, size=t.size
         )
     except TransientStorageError:
         if incoming.started:
             raise
-    return storage.write_stream(t.path, incoming.chunks, checksum=t.algorithm, exclusive=True)
+    return storage.write_stream(
+        t.path, incoming.chunks, checksum=t.algorithm, exclusive=True, size=t.size
+    )
 
 
 def _check(
