@@ -19,8 +19,11 @@ round trip within a region). Measured in one invocation:
 * **throughput**: both ranks train (a step of ``--step-ms``, then a 1 MB all-reduce; the state
   is not recomputed), in windows that alternate no checkpointing with a save every
   ~``--save-every-s`` s (persisted every ``--persist-every``-th save, ~30 s); steps/s of each,
-  their ratio (target >= 0.95), and the seconds each save call blocked. Two kinds of step
-  (``--steps``), each measured apart:
+  their ratio (target >= 0.95), and the seconds each save call blocked. The windows follow
+  ``local_keep + 2`` warm-up saves (the first persisted), so each node's local tier holds
+  what it holds in a long run, spare files included; a run's first saves write into new
+  memory, their times are printed apart. Two kinds of step (``--steps``), each measured
+  apart:
 
   - ``accelerator``: the step's compute runs on a device; the host thread waits for it (a
     sleep, where a CUDA synchronize would block), so the host's cores are free for the
@@ -69,6 +72,7 @@ PIECES = 10  # tensors per rank
 MATMUL = 512  # ~5 ms each on this machine: steps of --step-ms to within a few ms
 RECOVERY_TARGET = 5.0  # local and peer at least this much faster than persistent
 RATIO_TARGET = 0.95
+WARMUP_SAVES = 2  # + local_keep: see train_worker
 # where recovery spends its time (lightning_elastic/core/tiers/restore.py)
 PHASES = ("_survey", "_manifest_text", "_drop_corrupt", "_fetch", "_load", "load_checkpoint")
 
@@ -295,13 +299,21 @@ def train_worker(cfg: Config) -> dict[str, Any]:
     state = build_state(cfg, device_mesh(), zeros=False)
     trainers = {kind: Trainer(cfg, state, kind) for kind in cfg.steps}
     engine = make_engine(cfg)
-    engine.save(state, step=0).result()  # warm-up: the arena, the plan, the lease
+    # warm-up: the arena, the plan, the lease, and each node's local tier as a long run holds
+    # it: its checkpoints, one kept while it is persisted, the spare files of those retention
+    # deleted (the next saves write into them). A run's first saves write into new memory:
+    # their seconds (save call to local commit and copies) are reported apart.
+    warmup_s = []
+    for step in range(WARMUP_SAVES + cfg.local_keep):
+        t = time.perf_counter()
+        engine.save(state, step=step, persist=step == 0).result()
+        warmup_s.append(time.perf_counter() - t)
     engine.wait()
     timers = instrument(engine)
     parts: dict[str, dict[str, list[float]]] = {}
     root = cfg.local_root(NODES[rank])
     windows: list[dict[str, Any]] = []
-    step = 0
+    step = len(warmup_s)
     for kind, train in trainers.items():
         marks = {key: len(times) for key, times in timers.items()}
         train.step = step  # one run of steps: save names keep rising
@@ -326,8 +338,11 @@ def train_worker(cfg: Config) -> dict[str, Any]:
         "fingerprint": fingerprint(state),
         "local_end_bytes": du(root),
         "peak_rss": rss_kib("VmHWM") * 1024,
+        "warmup_s": warmup_s,
     }
-    engine.close()
+    engine.close()  # deletes the node's spare files
+    dist.barrier()
+    out["local_closed_bytes"] = du(root)
     return out
 
 
@@ -457,6 +472,7 @@ def summarize_memory(
             {
                 "node": NODES[t["rank"]],
                 "end_bytes": t["local_end_bytes"],
+                "closed_bytes": t["local_closed_bytes"],
                 "peak_bytes": max(w["local_peak_bytes"] for w in t["windows"]),
                 "train_rss": t["peak_rss"],
                 "recover_rss": max(
@@ -538,6 +554,11 @@ def print_throughput(
         f"median {thr['blocked_s_median']:.3f} s, p95 {thr['blocked_s_p95']:.3f} s, max "
         f"{thr['blocked_s_max']:.3f} s; save to local commit median {thr['commit_s_median']:.2f} s"
     )
+    warm = [max(ws) for ws in zip(*(t["warmup_s"] for t in train), strict=True)]
+    print(
+        f"  before the windows, {len(warm)} warm-up saves (the first persisted), save call to "
+        "local commit and copies: " + ", ".join(f"{w:.2f}" for w in warm) + " s"
+    )
     print(
         f"  mean s per save (slower rank; persister per persist, {thr['persists']} persists): "
         + ", ".join(f"{label} {thr['parts_s'][key]:.2f}" for key, label in SAVE_PARTS.items())
@@ -551,7 +572,8 @@ def print_memory(mem: dict[str, Any]) -> None:
     )
     for m in mem["nodes"]:
         print(
-            f"  node {m['node']}: {m['end_bytes'] / 1e9:.2f} GB at the end, {m['peak_bytes'] / 1e9:.2f} GB "
+            f"  node {m['node']}: {m['end_bytes'] / 1e9:.2f} GB at training's end (spare files "
+            f"included), {m['closed_bytes'] / 1e9:.2f} GB after close, {m['peak_bytes'] / 1e9:.2f} GB "
             f"most seen; peak RSS training {m['train_rss'] / 1e9:.2f} GB, recovery "
             f"{m['recover_rss'] / 1e9:.2f} GB"
         )
