@@ -178,11 +178,11 @@ def eio_on_first_open(storage: Storage, seen: dict[str, Any]) -> None:
     init = local_storage._LocalFile.__init__
     calls = [0]
 
-    def failing(self: Any, path: str, *, direct: bool) -> None:
+    def failing(self: Any, path: str, **kwargs: Any) -> None:
         calls[0] += 1
         if calls[0] == 1:
             raise OSError(errno.EIO, "Input/output error (injected at open)")
-        init(self, path, direct=direct)
+        init(self, path, **kwargs)
 
     local_storage._LocalFile.__init__ = failing  # type: ignore[method-assign]
 
