@@ -72,6 +72,8 @@ class SparePool:
                 if st.st_size < SPARE_MIN_BYTES or self.held() + st.st_size > self.limit:
                     return False
                 os.makedirs(self.directory, exist_ok=True)
+                if not self._own_folder():
+                    return False
                 os.rename(path, os.path.join(self.directory, uuid.uuid4().hex + _SPARE_SUFFIX))
                 return True
             except OSError:
@@ -102,8 +104,19 @@ class SparePool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def _own_folder(self) -> bool:
+        """Whether the pool's folder is a folder of the root, not a link: one planted there
+        would move the root's files out through it, and make writes take and overwrite (and
+        :meth:`clear` delete) the files where it leads."""
+        try:
+            return stat.S_ISDIR(os.lstat(self.directory).st_mode)
+        except OSError:
+            return False
+
     def _spares(self) -> list[tuple[int, str]]:
         out = []
+        if not self._own_folder():
+            return []
         try:
             entries = list(os.scandir(self.directory))
         except OSError:
