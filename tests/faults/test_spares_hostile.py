@@ -5,12 +5,15 @@ busy with a file that a delete hands to the pool."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from lightning_elastic import Storage
 from lightning_elastic.core.storage.local import SPARE_MIN_BYTES, LocalStorage
+from lightning_elastic.core.tiers.inventory import adoptable, scan_node
 
 MIB = SPARE_MIN_BYTES
+SHARD = "0123456789abcdef-rank00001.distcp"
 
 
 def blob(n: int, seed: int) -> bytes:
@@ -56,3 +59,36 @@ def test_a_spares_folder_linked_out_of_the_root_is_never_used_and_nothing_there_
     storage.spares.clear()
     assert sorted(os.listdir(outside)) == ["precious.spare"]
     assert (outside / "precious.spare").read_bytes() == blob(2 * MIB, 1)
+
+
+# ------------------------------------------------------------------ killed writes
+
+
+def test_a_write_killed_while_it_overwrites_a_spare_leaves_no_copy_that_counts_as_held(
+    tmp_path,
+) -> None:
+    """A process killed in the middle of a non-exclusive write (a shard, a recovery download)
+    that took a spare of the same size: recovery counts a file as held by its path and size
+    (inventory.adoptable, scan_node), so the file at the final name must not have the full
+    size unless all of it was written."""
+    storage = make(tmp_path / "root")
+    spare(storage, 4 * MIB)
+    rel = f"step_000000002/{SHARD}"
+    with warnings.catch_warnings():  # 3.12+ warns about fork() beside threads: none run here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child writes one chunk of four and dies without any cleanup
+        try:
+
+            def chunks() -> object:
+                yield blob(MIB, 2)
+                os._exit(0)
+
+            storage.write_stream(rel, chunks, size=4 * MIB)  # type: ignore[arg-type]
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    scan = scan_node(storage)
+    assert adoptable(scan, "step_000000002", {rel: 4 * MIB}) == {}, scan.uncommitted
+    assert not (storage.exists(rel) and storage.size(rel) == 4 * MIB)

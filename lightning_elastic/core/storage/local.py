@@ -379,9 +379,15 @@ def _write(
     sync: bool,
     direct: bool = False,
     spare: tuple[SparePool | None, int] = _NO_SPARE,
+    *,
+    published: bool = True,
 ) -> Written:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    out = _LocalFile(path, direct=direct, spare=spare)
+    # a spare has its full size from the start: overwritten at the final name, a write killed
+    # midway would leave a file of the expected size there, which recovery counts as a copy
+    # (by path and size); it is written under a temporary name and renamed once complete
+    work = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if published and spare[0] is not None else path
+    out = _LocalFile(work, direct=direct, spare=spare)
     try:
         written = drain(chunks, checksum, out.write)
         out.end()
@@ -390,9 +396,11 @@ def _write(
     except BaseException:
         out.close()
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(work)
         raise
     out.close()
+    if work != path:
+        os.replace(work, path)
     if sync:
         _fsync_dir(os.path.dirname(path))
     return written
@@ -408,7 +416,7 @@ def _write_exclusive(
     if os.path.lexists(path):
         raise CheckpointExistsError(f"{path} already exists")
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-    written = _write(tmp, chunks, checksum, sync, spare=spare)
+    written = _write(tmp, chunks, checksum, sync, spare=spare, published=False)
     try:
         os.link(tmp, path)  # atomic, and fails if the name exists
     except FileExistsError:
