@@ -5,6 +5,7 @@ busy with a file that a delete hands to the pool."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -28,9 +29,9 @@ def make(root: Path, limit: int = 100 * MIB) -> LocalStorage:
 
 
 def spare(storage: LocalStorage, size: int, seed: int = 0) -> None:
-    """Put one spare of ``size`` bytes into the pool (a deleted large file)."""
+    """Put one spare of ``size`` bytes into the pool (a retired large file)."""
     storage.write_bytes(f"old_{seed}/f", blob(size, seed))
-    storage.delete(f"old_{seed}/f")
+    storage.retire(f"old_{seed}/f")
     assert len(os.listdir(os.path.join(storage.root, ".spares"))) >= 1
 
 
@@ -51,7 +52,7 @@ def test_a_spares_folder_linked_out_of_the_root_is_never_used_and_nothing_there_
     os.symlink(outside, root / ".spares")
     storage = make(root)
     storage.write_bytes("step_1/a.distcp", blob(2 * MIB, 2))
-    storage.delete("step_1/a.distcp")
+    storage.retire("step_1/a.distcp")
     assert not storage.exists("step_1/a.distcp")
     storage.write_stream("step_2/b.distcp", lambda: [blob(2 * MIB, 3)], size=2 * MIB)
     assert storage.read_bytes("step_2/b.distcp") == blob(2 * MIB, 3)
@@ -92,3 +93,57 @@ def test_a_write_killed_while_it_overwrites_a_spare_leaves_no_copy_that_counts_a
     scan = scan_node(storage)
     assert adoptable(scan, "step_000000002", {rel: 4 * MIB}) == {}, scan.uncommitted
     assert not (storage.exists(rel) and storage.size(rel) == 4 * MIB)
+
+
+# ------------------------------------------------------------------ writers still busy
+
+
+def test_a_file_still_being_written_when_garbage_collection_deletes_it_never_becomes_a_spare(
+    tmp_path,
+) -> None:
+    """A requeued job's old copy still writes its shard into a save of the same run when the
+    new job's garbage collection removes that save (this run's crashed save: no grace). The
+    old writer keeps writing into the file it opened: handed to the pool, that inode would be
+    the new job's next shard, and the old writer's bytes would land in a committed file."""
+    from lightning_elastic.core.format.catalog import Catalog
+    from lightning_elastic.core.format.manifest import STAGING_FILE, StagingRecord
+    from lightning_elastic.core.policy.housekeeping import collect_garbage
+
+    storage = make(tmp_path / "root")
+    stale_id = "0123456789abcdef"
+    record = StagingRecord("run", stale_id, 1, 0.0).to_json().encode()
+    storage.write_bytes(f"step_000000001/{STAGING_FILE}", record)
+    first, resume = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def stale_chunks() -> object:
+        yield blob(MIB, 1)
+        first.set()
+        assert resume.wait(30)
+        for seed in (2, 3, 4):
+            yield blob(MIB, seed)
+
+    def stale_writer() -> None:
+        try:
+            storage.write_stream(
+                f"step_000000001/{stale_id}-rank00000.distcp",
+                stale_chunks,  # type: ignore[arg-type]
+                size=4 * MIB,
+            )
+        except BaseException as exc:  # its file is gone when it finishes: that is fine
+            errors.append(exc)
+
+    thread = threading.Thread(target=stale_writer)
+    thread.start()
+    try:
+        assert first.wait(30)
+        collect_garbage(storage, Catalog(storage), run_id="run", grace_s=3600.0)
+        assert not storage.exists("step_000000001")
+        new = blob(4 * MIB, 9)
+        rel = "step_000000002/fedcba9876543210-rank00000.distcp"
+        written = storage.write_stream(rel, lambda: [new], checksum="xxh3_64", size=4 * MIB)
+    finally:
+        resume.set()
+        thread.join(30)
+    assert storage.hash_file(rel, "xxh3_64") == written
+    assert storage.read_bytes(rel) == new

@@ -33,6 +33,13 @@ def spares(storage: LocalStorage) -> list[tuple[int, int]]:
     )
 
 
+def retire_tree(storage: LocalStorage, rel: str) -> None:
+    """Retire every file of ``rel`` (as retention does a deleted checkpoint's), then delete it."""
+    for entry in storage.listdir(rel):
+        storage.retire(f"{rel}/{entry.name}")
+    storage.delete_tree(rel)
+
+
 def inode(storage: LocalStorage, rel: str) -> int:
     return os.stat(storage.full(rel)).st_ino
 
@@ -45,7 +52,7 @@ def test_a_deleted_large_file_is_overwritten_by_the_next_large_write(
     storage = make(tmp_path)
     storage.write_bytes("a/old.bin", blob(3 * MIB, 1))
     old = inode(storage, "a/old.bin")
-    storage.delete("a/old.bin")
+    storage.retire("a/old.bin")
     assert not storage.exists("a/old.bin") and spares(storage) == [(3 * MIB, old)]
     data = blob(new_size, 2)
     chunks = [data[i : i + MIB // 2] for i in range(0, len(data), MIB // 2)]
@@ -64,7 +71,7 @@ def test_the_smallest_spare_that_fits_is_taken_else_the_largest(tmp_path) -> Non
     for name, size in (("two", 2 * MIB), ("four", 4 * MIB), ("six", 6 * MIB)):
         storage.write_bytes(f"c/{name}", blob(size, 3))
     ids = {n: inode(storage, f"c/{n}") for n in ("two", "four", "six")}
-    storage.delete_tree("c")
+    retire_tree(storage, "c")
     storage.write_bytes("d/three", b"")  # no size: never takes a spare
     assert len(spares(storage)) == 3
     storage.write_stream("d/x", lambda: [blob(3 * MIB, 4)], size=3 * MIB)
@@ -81,16 +88,16 @@ def test_the_pool_keeps_no_more_than_its_limit_nor_small_files_and_nothing_by_de
     for i in range(3):
         storage.write_bytes(f"e/{i}", blob(2 * MIB, i))
     storage.write_bytes("e/small", b"x" * (MIB - 1))
-    storage.delete_tree("e")
+    retire_tree(storage, "e")
     assert [size for size, _ in spares(storage)] == [2 * MIB, 2 * MIB]  # the third: deleted
     assert not storage.exists("e")
     plain = Storage(str(tmp_path / "plain"))
     plain.write_bytes("f", blob(2 * MIB, 0))
-    plain.delete("f")
+    plain.retire("f")
     assert not (tmp_path / "plain" / ".spares").exists()
     unsized = make(tmp_path / "unsized", limit=0)  # a pool without a limit keeps nothing
     unsized.write_bytes("f", blob(2 * MIB, 0))
-    unsized.delete("f")
+    unsized.retire("f")
     assert spares(unsized) == []
 
 
@@ -98,10 +105,10 @@ def test_a_file_with_another_link_is_never_kept_nor_overwritten(tmp_path) -> Non
     storage = make(tmp_path)
     storage.write_bytes("g/linked", blob(2 * MIB, 6))
     os.link(storage.full("g/linked"), tmp_path / "backup")
-    storage.delete("g/linked")
+    storage.retire("g/linked")
     assert spares(storage) == []  # deleted: keeping it would change the backup's bytes
     storage.write_bytes("g/spare", blob(2 * MIB, 7))
-    storage.delete("g/spare")
+    storage.retire("g/spare")
     (pooled,) = (Path(storage.root) / ".spares").iterdir()
     os.link(pooled, tmp_path / "grabbed")  # linked while in the pool
     storage.write_stream("g/new", lambda: [blob(2 * MIB, 8)], size=2 * MIB)
@@ -114,7 +121,7 @@ def test_a_file_with_another_link_is_never_kept_nor_overwritten(tmp_path) -> Non
 def test_a_write_that_fails_over_a_spare_leaves_no_file_with_old_bytes(tmp_path) -> None:
     storage = make(tmp_path)
     storage.write_bytes("h/old", blob(4 * MIB, 9))
-    storage.delete("h/old")
+    storage.retire("h/old")
 
     def failing() -> object:
         yield blob(MIB, 10)
@@ -134,7 +141,7 @@ def test_clear_deletes_every_spare_and_listings_never_show_the_pool(tmp_path) ->
 
     storage = make(tmp_path)
     storage.write_bytes("step_000000001/x.distcp", blob(2 * MIB, 11))
-    storage.delete_tree("step_000000001")
+    retire_tree(storage, "step_000000001")
     assert len(spares(storage)) == 1
     assert Catalog(storage).scan() == []
     storage.spares.clear()  # type: ignore[union-attr]

@@ -60,10 +60,16 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 DEFAULT_GRACE_S = 3600.0
 
 
-def delete_checkpoint(storage: Storage, catalog: Catalog, name: str) -> None:
-    """Manifest first (the checkpoint stops existing), then the data."""
+def delete_checkpoint(
+    storage: Storage, catalog: Catalog, name: str, *, listed: Collection[str] = ()
+) -> None:
+    """Manifest first (the checkpoint stops existing), then the data. ``listed``: the files
+    its manifest listed (complete when committed, so nobody writes them): retired, which
+    lets a local root reuse them (:meth:`Storage.retire`); any other file is deleted."""
     storage.delete(f"{name}/{MANIFEST_FILE}")
     catalog.forget(name)
+    for path in listed:
+        storage.retire(f"{name}/{path}")
     storage.delete_tree(name)
 
 
@@ -124,7 +130,8 @@ def apply_retention(
     doomed = plan_deletions(catalog.scan(), retention, run_id=run_id, protected=protected)
     for info in doomed:
         log.info("retention: deleting %s (step %s)", info.location, info.step)
-        delete_checkpoint(storage, catalog, info.name)
+        listed = [f.path for f in info.manifest.files] if info.manifest is not None else []
+        delete_checkpoint(storage, catalog, info.name, listed=listed)
 
 
 def collect_garbage(

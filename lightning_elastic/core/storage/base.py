@@ -233,6 +233,14 @@ class Storage:
         """Delete one file (or link); a missing file is not an error (deletes are idempotent)."""
         raise NotImplementedError
 
+    def retire(self, rel: str) -> None:
+        """Delete one file that no process writes any more (a file a deleted manifest listed:
+        complete when committed). A local root keeping spares may keep it for a later write to
+        overwrite (:class:`~lightning_elastic.core.storage.local.SparePool`); a plain
+        :meth:`delete` never does, since a writer that still holds a file (a stale copy of the
+        job, a straggler of a failed save) would keep writing into it."""
+        self.delete(rel)
+
     def _rmdir(self, path: str) -> None:
         """Remove the (now empty) directory at the backend path ``path``, if it exists."""
         raise NotImplementedError

@@ -37,8 +37,10 @@ _SPARE_SUFFIX = ".spare"
 
 
 class SparePool:
-    """Large files a local root deletes, kept in a hidden folder of the root for later writes
-    to overwrite, up to ``limit`` bytes (0 until the owner sets it: nothing is kept).
+    """Large files a local root retires (:meth:`LocalStorage.retire`: the files of a deleted
+    checkpoint's manifest, which no process writes any more; never a plain delete's, whose
+    file a stale writer may still hold open), kept in a hidden folder of the root for later
+    writes to overwrite, up to ``limit`` bytes (0 until the owner sets it: nothing is kept).
 
     Why: a node-local tier in ``/dev/shm`` writes one or two checkpoints' bytes every save and
     deletes as many; a new tmpfs file has every page allocated and zeroed by the kernel, a
@@ -150,9 +152,9 @@ class LocalStorage(Storage):
         self.spares: SparePool | None = None  # see keep_spares (shared by child storages)
 
     def keep_spares(self, folder: str = ".spares") -> SparePool:
-        """Keep large deleted files in ``folder`` (hidden: no listing of checkpoints reads it)
-        for writes that state their ``size`` to overwrite (:class:`SparePool`; nothing is kept
-        until its ``limit`` is set)."""
+        """Keep large retired files (:meth:`retire`) in ``folder`` (hidden: no listing of
+        checkpoints reads it) for writes that state their ``size`` to overwrite
+        (:class:`SparePool`; nothing is kept until its ``limit`` is set)."""
         if self.spares is None:
             self.spares = SparePool(self.full(folder))
         return self.spares
@@ -354,10 +356,16 @@ class LocalStorage(Storage):
         return sorted(result, key=lambda e: e.name)
 
     def delete(self, rel: str) -> None:
+        self._remove(rel, reuse=False)
+
+    def retire(self, rel: str) -> None:
+        self._remove(rel, reuse=True)
+
+    def _remove(self, rel: str, *, reuse: bool) -> None:
         path = self.full(rel)
 
         def rm() -> None:
-            if self.spares is not None and self.spares.keep(path):
+            if reuse and self.spares is not None and self.spares.keep(path):
                 return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
