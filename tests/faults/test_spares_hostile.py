@@ -9,6 +9,8 @@ import threading
 import warnings
 from pathlib import Path
 
+import pytest
+
 from lightning_elastic import Storage
 from lightning_elastic.core.storage.local import SPARE_MIN_BYTES, LocalStorage
 from lightning_elastic.core.tiers.inventory import adoptable, scan_node
@@ -147,3 +149,19 @@ def test_a_file_still_being_written_when_garbage_collection_deletes_it_never_bec
         thread.join(30)
     assert storage.hash_file(rel, "xxh3_64") == written
     assert storage.read_bytes(rel) == new
+
+
+def test_a_write_over_a_spare_to_a_name_a_folder_holds_fails_and_leaves_no_temporary_file(
+    tmp_path,
+) -> None:
+    """The spare is written under a temporary name and renamed at the end: a rename that is
+    refused (a folder planted at the file's name) must not leave the written spare behind."""
+    storage = make(tmp_path / "root")
+    spare(storage, 2 * MIB)
+    os.makedirs(storage.full("step_3/x.distcp"))
+    with pytest.raises(Exception):  # noqa: B017 - whatever the OS says about the folder
+        storage.with_retry(storage.retry.__class__(max_attempts=1)).write_stream(
+            "step_3/x.distcp", lambda: [blob(2 * MIB, 5)], size=2 * MIB
+        )
+    assert [e.name for e in storage.listdir("step_3")] == ["x.distcp"]
+    assert storage.listdir("step_3/x.distcp") == []

@@ -408,7 +408,12 @@ def _write(
         raise
     out.close()
     if work != path:
-        os.replace(work, path)
+        try:
+            os.replace(work, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(work)
+            raise
     if sync:
         _fsync_dir(os.path.dirname(path))
     return written
