@@ -165,3 +165,66 @@ def test_a_write_over_a_spare_to_a_name_a_folder_holds_fails_and_leaves_no_tempo
         )
     assert [e.name for e in storage.listdir("step_3")] == ["x.distcp"]
     assert storage.listdir("step_3/x.distcp") == []
+
+
+# ------------------------------------------------------------------ behaviour pinned
+
+
+def test_junk_planted_in_the_pool_is_never_taken_followed_or_cleared(tmp_path) -> None:
+    """A folder, a FIFO and a link named like spares: a write never takes them (it gets a new
+    file), nothing is written through the link, and clearing the pool leaves them."""
+    storage = make(tmp_path / "root")
+    pool = Path(storage.root) / ".spares"
+    pool.mkdir(parents=True)
+    (pool / "dir.spare").mkdir()
+    os.mkfifo(pool / "fifo.spare")
+    target = tmp_path / "target"
+    target.write_bytes(blob(2 * MIB, 1))
+    os.symlink(target, pool / "link.spare")
+    storage.write_stream("step_1/x.distcp", lambda: [blob(2 * MIB, 2)], size=2 * MIB)
+    assert storage.read_bytes("step_1/x.distcp") == blob(2 * MIB, 2)
+    assert target.read_bytes() == blob(2 * MIB, 1)
+    assert storage.spares is not None
+    storage.spares.clear()
+    assert sorted(os.listdir(pool)) == ["dir.spare", "fifo.spare", "link.spare"]
+
+
+def test_two_writers_racing_for_one_spare_each_get_their_own_file(tmp_path) -> None:
+    """Two writers of one root (a node's ranks) state a size at once with one spare in the
+    pool: at most one overwrites it, the other writes a new file, both hold their bytes."""
+    storage = make(tmp_path / "root")
+    spare(storage, 2 * MIB)
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            start.wait(10)
+            storage.write_stream(
+                f"step_2/{i}.distcp", lambda: [blob(2 * MIB, 10 + i)], size=2 * MIB
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    inodes = {os.stat(storage.full(f"step_2/{i}.distcp")).st_ino for i in range(2)}
+    assert len(inodes) == 2
+    for i in range(2):
+        assert storage.read_bytes(f"step_2/{i}.distcp") == blob(2 * MIB, 10 + i)
+
+
+def test_a_size_hint_and_retire_change_nothing_on_a_storage_that_is_not_local() -> None:
+    storage = Storage("memory://spares-hostile")
+    data = blob(2 * MIB, 3)
+    written = storage.write_stream("a/b", lambda: [data], checksum="xxh3_64", size=2 * MIB)
+    assert storage.read_bytes("a/b") == data and written == storage.hash_file("a/b", "xxh3_64")
+    storage.write_stream("a/c", lambda: [data[:10]], size=2 * MIB)  # the hint is only a hint
+    assert storage.read_bytes("a/c") == data[:10]
+    storage.retire("a/b")
+    storage.delete_tree("a")
+    assert not storage.exists("a/b") and not storage.exists("a/c")
