@@ -38,7 +38,9 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
     directions, and the peer fails by its own timeout. A ``timeout`` that expires: gloo
     closes every connection of the group on that rank, so it skips all its remaining
     transfers (its peers see the connection close); the caller rebuilds the group before
-    using it again.
+    using it again. An interrupt (any other exception) in either direction is raised after
+    both directions ended: neither starts another transfer, the ones in progress end (or
+    fail by ``timeout``).
 """
 
 from __future__ import annotations
@@ -340,13 +342,17 @@ def execute_transfers(
 class _Peers:
     """What both directions of a rank know about its connections: the peers whose connection
     broke, and whether a wait timed out (gloo then closed every connection of the group on
-    this rank)."""
+    this rank); ``stopped``: a direction crashed (an interrupt, a bug: what is raised), so
+    neither direction starts another transfer."""
 
     def __init__(self) -> None:
         self.lost: set[int] = set()
         self.timed_out = False
+        self.stopped = False
 
     def skip_reason(self, peer: int) -> str | None:
+        if self.stopped:
+            return "not attempted: this rank was interrupted"
         if self.timed_out:
             return (
                 "not attempted: a send/receive of this rank timed out earlier, which closes "
@@ -380,6 +386,7 @@ class _Lane:
             self._run(group, storage, chunk_bytes, timeout, sources)
         except BaseException as exc:  # raised by execute_transfers, on the caller's thread
             self.crashed = exc
+            self.peers.stopped = True  # the other direction starts no more transfers
 
     def _run(
         self,

@@ -1,0 +1,68 @@
+"""Hostile review of the two directions of the node-to-node transfers (core/tiers/transfer.py):
+a rank sends its transfers (calling thread) while it receives its own (thread
+``le-transfer-in``), each direction in list order, on one gloo group, each transfer's
+messages tagged with its index. Interrupts in one direction while the other is busy,
+threads outliving the call, cycles and many transfers between one pair. gloo on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic.testing.spawn import run_distributed
+from tests.distributed.test_tier_transfer import data, leftovers, move, on_node
+from tests.faults import transfer_lanes_hostile_workers as lane_workers
+
+
+def run(root: Path, world: int, files: dict, transfers: list, **kwargs) -> list[dict]:
+    return run_distributed(
+        lane_workers.lanes_worker, world, str(root), files, transfers, timeout=60, **kwargs
+    )
+
+
+def slow(rank: int, paths: list[str], delay: float) -> list[tuple[int, str, dict]]:
+    """Storage hooks: ``rank`` takes ``delay`` seconds more to read each chunk of ``paths``."""
+    return [(rank, "slow_reads", {"path": p, "delay": delay}) for p in paths]
+
+
+# ----------------------------------------------------------------------------- interrupts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["sending", "receiving"])
+def test_an_interrupt_in_one_direction_starts_no_more_transfers_in_the_other(
+    tmp_path, where
+) -> None:
+    """A BaseException (KeyboardInterrupt-like) in one direction of rank 0 (its memory
+    source, or its writer) reaches the caller; the other direction, busy with a slow
+    transfer, finishes that one but starts no later one: the caller was interrupted, as
+    it was when one thread did both directions (it would otherwise copy on for as long as
+    the other direction has work, and only then raise)."""
+    later = [f"s/later{i}" for i in range(4)]
+    contents = {p: data(1000, 40 + i) for i, p in enumerate(later)}
+    x = data(3000, 39)
+    if where == "sending":  # rank 0 sends s/x from memory (interrupted) and receives later*
+        files = {0: {}, 1: contents}
+        transfers = [move(0, 1, "s/x", x)] + [move(1, 0, p, contents[p]) for p in later]
+        kwargs = {
+            "memory": {0: {"s/x": "raise"}},
+            "lane_hooks": [(0, "abort_memory_source", {})],
+            "hooks": slow(1, later, 0.4),
+        }
+    else:  # rank 0 receives s/x (its write interrupted) and sends later*
+        files = {0: contents, 1: {"s/x": x}}
+        transfers = [move(1, 0, "s/x", x)] + [move(0, 1, p, contents[p]) for p in later]
+        kwargs = {"hooks": [(0, "abort_writer", {"path": "s/x", "after": 0}), *slow(0, later, 0.4)]}
+    results = run(
+        tmp_path, 2, files, transfers, chunk_bytes=1000, timeout_s=5, settle_s=2.0, **kwargs
+    )
+    interrupted = results[0]
+    assert interrupted["other"] is not None and interrupted["other"].startswith("Abort")
+    got = 0 if where == "sending" else 1
+    arrived = [p for p in later if on_node(tmp_path, got, p).exists()]
+    assert arrived[:1] == later[:1] or arrived == [], arrived
+    assert len(arrived) <= 1, f"copied on after the interrupt: {arrived}"
+    assert interrupted["lanes"]["threads_at_return"] == []
+    assert interrupted["threads"] == []
+    assert not leftovers(tmp_path)
