@@ -66,3 +66,40 @@ def test_an_interrupt_in_one_direction_starts_no_more_transfers_in_the_other(
     assert interrupted["lanes"]["threads_at_return"] == []
     assert interrupted["threads"] == []
     assert not leftovers(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behind(
+    tmp_path,
+) -> None:
+    """Rank 0's sends are done and its calling thread waits for its receiving thread, which
+    is busy with slow transfers, when Ctrl-C comes. The KeyboardInterrupt reaches the caller,
+    and no thread of the call outlives it: a receiving thread left running would go on
+    writing files into the node's tier after the call raised, and take messages with the
+    same tags (list indices) as the next call on the same group."""
+    later = [f"s/later{i}" for i in range(4)]
+    contents = {p: data(1000, 50 + i) for i, p in enumerate(later)}
+    first = data(10, 49)
+    files = {0: {"s/first": first}, 1: contents}
+    transfers = [move(0, 1, "s/first", first)] + [move(1, 0, p, contents[p]) for p in later]
+    results = run(
+        tmp_path,
+        2,
+        files,
+        transfers,
+        chunk_bytes=1000,
+        timeout_s=5,
+        settle_s=2.5,
+        hooks=slow(1, later, 0.4),
+        lane_hooks=[(0, "interrupt_after", {"delay": 0.3}), (0, "time_receives", {})],
+    )
+    interrupted = results[0]
+    assert interrupted["other"] is not None
+    assert interrupted["other"].startswith("KeyboardInterrupt"), interrupted["other"]
+    seen = interrupted["lanes"]
+    after = [p for p, at in seen["received_at"].items() if at > seen["returned_at"]]
+    assert after == [], f"received after the call raised: {after}"
+    assert interrupted["threads"] == []
+    assert not on_node(tmp_path, 0, later[-1]).exists(), "written after the call raised"
+    assert on_node(tmp_path, 1, "s/first").read_bytes() == first
+    assert not leftovers(tmp_path)

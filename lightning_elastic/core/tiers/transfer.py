@@ -38,9 +38,9 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
     directions, and the peer fails by its own timeout. A ``timeout`` that expires: gloo
     closes every connection of the group on that rank, so it skips all its remaining
     transfers (its peers see the connection close); the caller rebuilds the group before
-    using it again. An interrupt (any other exception) in either direction is raised after
-    both directions ended: neither starts another transfer, the ones in progress end (or
-    fail by ``timeout``).
+    using it again. An interrupt (any other exception) in either direction, or while the
+    caller waits for the receiving one, is raised after both directions ended: neither
+    starts another transfer, the ones in progress end (or fail by ``timeout``).
 """
 
 from __future__ import annotations
@@ -315,12 +315,20 @@ def execute_transfers(
     )
     sends, receives = lanes
     if sends.transfers and receives.transfers:  # both directions at once
-        thread = threading.Thread(target=run, args=(receives,), name="le-transfer-in", daemon=True)
+        done = threading.Event()
+
+        def receive() -> None:
+            try:
+                run(receives)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=receive, name="le-transfer-in", daemon=True)
         thread.start()
         try:
             run(sends)
         finally:
-            thread.join()
+            _join(thread, done, peers)
     else:
         for lane in lanes:
             run(lane)
@@ -339,11 +347,26 @@ def execute_transfers(
     return stats
 
 
+def _join(thread: threading.Thread, done: threading.Event, peers: _Peers) -> None:
+    """Wait for the receiving direction (``done``). Interrupted meanwhile (Ctrl-C on the
+    caller's thread): it starts no more transfers, and the wait goes on for the one it is in
+    (bounded by ``timeout``), so no thread of this call goes on writing files and taking this
+    group's messages after the call raised. (An interrupted ``Thread.join`` cannot be waited
+    again: Python 3.11 then takes the thread for ended.)"""
+    try:
+        done.wait()
+    except BaseException:
+        peers.stopped = True
+        done.wait()
+        raise
+    thread.join()
+
+
 class _Peers:
     """What both directions of a rank know about its connections: the peers whose connection
     broke, and whether a wait timed out (gloo then closed every connection of the group on
-    this rank); ``stopped``: a direction crashed (an interrupt, a bug: what is raised), so
-    neither direction starts another transfer."""
+    this rank); ``stopped``: a direction crashed or the caller was interrupted (what is
+    raised), so neither direction starts another transfer."""
 
     def __init__(self) -> None:
         self.lost: set[int] = set()
