@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elastic import Storage
+from lightning_elastic.core.tiers.transfer import execute_transfers
+from lightning_elastic.errors import ConfigError
 from lightning_elastic.testing.spawn import run_distributed
 from tests.distributed.test_tier_transfer import data, leftovers, move, on_node
 from tests.faults import transfer_lanes_hostile_workers as lane_workers
@@ -103,3 +106,22 @@ def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behin
     assert not on_node(tmp_path, 0, later[-1]).exists(), "written after the call raised"
     assert on_node(tmp_path, 1, "s/first").read_bytes() == first
     assert not leftovers(tmp_path)
+
+
+# ----------------------------------------------------------------------------- relays
+
+
+def test_a_file_passed_on_in_the_same_call_is_refused_on_every_rank(tmp_path) -> None:
+    """``0 -> 1`` then ``1 -> 2`` of one file (a relay): one thread per rank walking the list
+    sent it on after it arrived; with both directions at once rank 1 starts sending it while
+    it still receives it, so the relay fails as "missing" at the source, or not, by a race.
+    Refused up front, like any invalid list, on every rank alike (nothing is sent)."""
+    content = data(100, 60)
+    relay = [move(0, 1, "s/p", content), move(1, 2, "s/p", content)]
+    storage = Storage(str(tmp_path))
+    for rank in (0, 1, 2):
+        with pytest.raises(ConfigError, match="passed on"):
+            execute_transfers(relay, rank=rank, group=None, storage=storage)
+    # the other order (sent, then received back), and the same file between other ranks: fine
+    for fine in (relay[::-1], [move(0, 1, "s/p", content), move(2, 3, "s/p", content)]):
+        assert execute_transfers(fine, rank=4, group=None, storage=storage).files_sent == 0

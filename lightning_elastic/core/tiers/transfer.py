@@ -3,7 +3,8 @@
 
 Which rank calls what, in what order:
     Every rank named in ``transfers`` calls :func:`execute_transfers` with the same list, in
-    the same order (a rank named in none returns at once, or need not call it). Each rank
+    the same order (a rank named in none returns at once, or need not call it); no rank
+    sends a file it receives earlier in the list (a relay takes two calls). Each rank
     takes part only in the transfers where it is ``src`` or ``dst``, in two directions at
     once (the receiving one on a thread): the transfers it sends, one at a time in list order,
     and those it receives, one at a time in list order, with point-to-point send/recv on
@@ -447,9 +448,16 @@ class _Lane:
 def _validate(transfers: Sequence[Transfer], chunk_bytes: int) -> None:
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    received: set[tuple[int, str]] = set()
     for t in transfers:
         if t.src == t.dst or min(t.src, t.dst) < 0 or t.size < 0:
             raise ConfigError(f"invalid transfer {t}: needs src != dst, ranks >= 0, size >= 0")
+        if (t.src, t.path) in received:  # its two directions run at once: not yet arrived
+            raise ConfigError(
+                f"invalid transfer {t}: rank {t.src} receives {t.path!r} earlier in the list; "
+                "a file cannot be passed on in the call that brings it"
+            )
+        received.add((t.dst, t.path))
         try:
             check_rel_path(t.path)
             new_hasher(t.algorithm)
