@@ -9,6 +9,7 @@ patch module-level code, and record what they see in ``SEEN``), then runs
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -98,3 +99,61 @@ def time_receives() -> None:
             SEEN["received_at"][t.path] = time.monotonic()
 
     transfer._receive = timed
+
+
+def rebuild_worker(
+    root: str,
+    files: dict[int, dict[str, bytes]],
+    first: list[Any],
+    second: list[Any],
+    *,
+    chunk_bytes: int,
+    timeout_s: float,
+    hooks: list[tuple[int, str, dict[str, Any]]] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """Run ``first`` on a gloo group (the storage ``hooks`` of the hostile workers applied),
+    then replace the group as the tier runtime does after a failed transfer
+    (``TierSet._rebuild_group``) and run ``second`` on the new one. Each call's outcome: the
+    stats, the error (or a non-TransferError's type name); the transfer threads alive at the
+    end."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_elastic.core.tiers.transfer import TransferError, execute_transfers
+    from tests.distributed.tier_workers import node_storage
+
+    rank = dist.get_rank()
+    storage = node_storage(root, rank)
+    for path, content in files.get(rank, {}).items():
+        storage.write_bytes(path, content)
+    seen: dict[str, Any] = {}
+    for hook_rank, name, kwargs in hooks:
+        if hook_rank == rank:
+            getattr(workers, name)(storage, seen, **kwargs)
+    out: dict[str, Any] = {}
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    for key, transfers in (("first", first), ("second", second)):
+        outcome: dict[str, Any] = {"error": None, "stats": None, "other": None}
+        try:
+            outcome["stats"] = execute_transfers(
+                transfers,
+                rank=rank,
+                group=group,
+                storage=storage,
+                chunk_bytes=chunk_bytes,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except TransferError as exc:
+            outcome["stats"], outcome["error"] = exc.stats, exc.with_traceback(None)
+        except BaseException as exc:
+            outcome["other"] = f"{type(exc).__name__}: {exc}"
+        out[key] = outcome
+        if key == "first":
+            dist.barrier()  # the runtime rebuilds after a collective (TierSet.decide)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    time.sleep(0.5)
+    out["threads"] = sorted(t.name for t in threading.enumerate() if "transfer" in t.name)
+    return out
