@@ -3,7 +3,8 @@
 
 Which rank calls what, in what order:
     Every rank named in ``transfers`` calls :func:`execute_transfers` with the same list, in
-    the same order (a rank named in none returns at once, or need not call it). Each rank
+    the same order (a rank named in none returns at once, or need not call it); no rank
+    sends a file it receives earlier in the list (a relay takes two calls). Each rank
     takes part only in the transfers where it is ``src`` or ``dst``, in two directions at
     once (the receiving one on a thread): the transfers it sends, one at a time in list order,
     and those it receives, one at a time in list order, with point-to-point send/recv on
@@ -38,7 +39,9 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
     directions, and the peer fails by its own timeout. A ``timeout`` that expires: gloo
     closes every connection of the group on that rank, so it skips all its remaining
     transfers (its peers see the connection close); the caller rebuilds the group before
-    using it again.
+    using it again. An interrupt (any other exception) in either direction, or while the
+    caller waits for the receiving one, is raised after both directions ended: neither
+    starts another transfer, the ones in progress end (or fail by ``timeout``).
 """
 
 from __future__ import annotations
@@ -313,12 +316,20 @@ def execute_transfers(
     )
     sends, receives = lanes
     if sends.transfers and receives.transfers:  # both directions at once
-        thread = threading.Thread(target=run, args=(receives,), name="le-transfer-in", daemon=True)
+        done = threading.Event()
+
+        def receive() -> None:
+            try:
+                run(receives)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=receive, name="le-transfer-in", daemon=True)
         thread.start()
         try:
             run(sends)
         finally:
-            thread.join()
+            _join(thread, done, peers)
     else:
         for lane in lanes:
             run(lane)
@@ -337,16 +348,35 @@ def execute_transfers(
     return stats
 
 
+def _join(thread: threading.Thread, done: threading.Event, peers: _Peers) -> None:
+    """Wait for the receiving direction (``done``). Interrupted meanwhile (Ctrl-C on the
+    caller's thread): it starts no more transfers, and the wait goes on for the one it is in
+    (bounded by ``timeout``), so no thread of this call goes on writing files and taking this
+    group's messages after the call raised. (An interrupted ``Thread.join`` cannot be waited
+    again: Python 3.11 then takes the thread for ended.)"""
+    try:
+        done.wait()
+    except BaseException:
+        peers.stopped = True
+        done.wait()
+        raise
+    thread.join()
+
+
 class _Peers:
     """What both directions of a rank know about its connections: the peers whose connection
     broke, and whether a wait timed out (gloo then closed every connection of the group on
-    this rank)."""
+    this rank); ``stopped``: a direction crashed or the caller was interrupted (what is
+    raised), so neither direction starts another transfer."""
 
     def __init__(self) -> None:
         self.lost: set[int] = set()
         self.timed_out = False
+        self.stopped = False
 
     def skip_reason(self, peer: int) -> str | None:
+        if self.stopped:
+            return "not attempted: this rank was interrupted"
         if self.timed_out:
             return (
                 "not attempted: a send/receive of this rank timed out earlier, which closes "
@@ -380,6 +410,7 @@ class _Lane:
             self._run(group, storage, chunk_bytes, timeout, sources)
         except BaseException as exc:  # raised by execute_transfers, on the caller's thread
             self.crashed = exc
+            self.peers.stopped = True  # the other direction starts no more transfers
 
     def _run(
         self,
@@ -417,9 +448,16 @@ class _Lane:
 def _validate(transfers: Sequence[Transfer], chunk_bytes: int) -> None:
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    received: set[tuple[int, str]] = set()
     for t in transfers:
         if t.src == t.dst or min(t.src, t.dst) < 0 or t.size < 0:
             raise ConfigError(f"invalid transfer {t}: needs src != dst, ranks >= 0, size >= 0")
+        if (t.src, t.path) in received:  # its two directions run at once: not yet arrived
+            raise ConfigError(
+                f"invalid transfer {t}: rank {t.src} receives {t.path!r} earlier in the list; "
+                "a file cannot be passed on in the call that brings it"
+            )
+        received.add((t.dst, t.path))
         try:
             check_rel_path(t.path)
             new_hasher(t.algorithm)
