@@ -407,42 +407,34 @@ class _Lane:
         sources: Mapping[str, Callable[[], Iterable[memoryview]]],
     ) -> None:
         try:
-            self._run(group, storage, chunk_bytes, timeout, sources)
+            size = min(chunk_bytes, max((t.size for _, t in self.transfers), default=0))
+            buffers = _Buffers(size)
+            for index, t in self.transfers:
+                peer = t.dst if self.sending else t.src
+                reason = self.peers.skip_reason(peer)
+                if reason is not None:
+                    self.failures.append((index, TransferFailure(t, "communication", reason)))
+                    continue
+                link = _Link(group, peer, index, timeout)
+                try:
+                    if self.sending:
+                        source = sources.get(t.path)
+                        failure = _send(t, link, storage, buffers, chunk_bytes, self.counts, source)
+                    else:
+                        failure = _receive(t, link, storage, buffers, self.counts)
+                except _PeerLost as exc:
+                    self.peers.lost.add(peer)
+                    self.peers.timed_out = self.peers.timed_out or exc.timed_out
+                    buffers = _Buffers(size)  # a receive that timed out may still land in the old
+                    failure = TransferFailure(t, "communication", str(exc))
+                if failure is not None:
+                    log.warning(
+                        "transfer of %s failed (%s): %s", t.path, failure.kind, failure.reason
+                    )
+                    self.failures.append((index, failure))
         except BaseException as exc:  # raised by execute_transfers, on the caller's thread
             self.crashed = exc
             self.peers.stopped = True  # the other direction starts no more transfers
-
-    def _run(
-        self,
-        group: dist.ProcessGroup | None,
-        storage: Storage,
-        chunk_bytes: int,
-        timeout: timedelta | None,
-        sources: Mapping[str, Callable[[], Iterable[memoryview]]],
-    ) -> None:
-        size = min(chunk_bytes, max((t.size for _, t in self.transfers), default=0))
-        buffers = _Buffers(size)
-        for index, t in self.transfers:
-            peer = t.dst if self.sending else t.src
-            reason = self.peers.skip_reason(peer)
-            if reason is not None:
-                self.failures.append((index, TransferFailure(t, "communication", reason)))
-                continue
-            link = _Link(group, peer, index, timeout)
-            try:
-                if self.sending:
-                    source = sources.get(t.path)
-                    failure = _send(t, link, storage, buffers, chunk_bytes, self.counts, source)
-                else:
-                    failure = _receive(t, link, storage, buffers, self.counts)
-            except _PeerLost as exc:
-                self.peers.lost.add(peer)
-                self.peers.timed_out = self.peers.timed_out or exc.timed_out
-                buffers = _Buffers(size)  # a receive that timed out may still land in the old
-                failure = TransferFailure(t, "communication", str(exc))
-            if failure is not None:
-                log.warning("transfer of %s failed (%s): %s", t.path, failure.kind, failure.reason)
-                self.failures.append((index, failure))
 
 
 def _validate(transfers: Sequence[Transfer], chunk_bytes: int) -> None:
