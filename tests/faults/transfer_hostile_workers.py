@@ -48,14 +48,7 @@ def hostile_worker(
     group; return the stats, the error (or the type name of a non-TransferError), the
     seconds taken, the transfer threads still alive ``settle_s`` after the call, how many
     chunk buffer sets are still alive, and what the hooks observed (``seen``)."""
-    rank = dist.get_rank()
-    storage = node_storage(root, rank)
-    for path, data in files.get(rank, {}).items():
-        storage.write_bytes(path, data)
-    seen: dict[str, Any] = {}
-    for hook_rank, name, kwargs in hooks:
-        if hook_rank == rank:
-            globals()[name](storage, seen, **kwargs)
+    rank, storage, seen = prepared(root, files, hooks)
     buffer_sets = _track_buffers()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     chunk = chunk_bytes[rank] if isinstance(chunk_bytes, dict) else chunk_bytes
@@ -88,6 +81,22 @@ def hostile_worker(
     out["buffer_sets"] = sum(1 for ref in buffer_sets if ref() is not None)
     out["seen"] = seen
     return out
+
+
+def prepared(
+    root: str, files: dict[int, dict[str, bytes]], hooks: list[tuple[int, str, dict[str, Any]]]
+) -> tuple[int, Storage, dict[str, Any]]:
+    """This rank, its node storage holding its ``files``, and what its ``hooks`` (functions of
+    this module, by name) observe."""
+    rank = dist.get_rank()
+    storage = node_storage(root, rank)
+    for path, data in files.get(rank, {}).items():
+        storage.write_bytes(path, data)
+    seen: dict[str, Any] = {}
+    for hook_rank, name, kwargs in hooks:
+        if hook_rank == rank:
+            globals()[name](storage, seen, **kwargs)
+    return rank, storage, seen
 
 
 def _raising_source() -> Any:

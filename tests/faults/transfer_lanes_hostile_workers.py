@@ -121,16 +121,8 @@ def rebuild_worker(
     import torch.distributed as dist
 
     from lightning_elastic.core.tiers.transfer import TransferError, execute_transfers
-    from tests.distributed.tier_workers import node_storage
 
-    rank = dist.get_rank()
-    storage = node_storage(root, rank)
-    for path, content in files.get(rank, {}).items():
-        storage.write_bytes(path, content)
-    seen: dict[str, Any] = {}
-    for hook_rank, name, kwargs in hooks:
-        if hook_rank == rank:
-            getattr(workers, name)(storage, seen, **kwargs)
+    rank, storage, _ = workers.prepared(root, files, hooks)
     out: dict[str, Any] = {}
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     for key, transfers in (("first", first), ("second", second)):
