@@ -224,8 +224,8 @@ def run_window(train: Trainer, engine: Any, cfg: Config, root: str) -> dict[str,
             handles.append(engine.save(train.state, step=train.step))
             blocked.append(time.perf_counter() - last)
         step_s.append(time.perf_counter() - ts)
-        if engine is not None:
-            local_peak = max(local_peak, du(root))
+        # in both variants, so the rate of each pays the same for it
+        local_peak = max(local_peak, du(root))
         if stop:
             break
     elapsed = time.perf_counter() - t0
