@@ -239,6 +239,23 @@ def test_saves_overwrite_the_files_retention_deleted_and_every_kept_checkpoint_v
     assert [(g["step"], g["tier"], g["ok"]) for g in got] == [(6, "local", True)] * 2
 
 
+def test_spares_a_killed_run_left_are_written_over_and_the_rest_deleted_after_a_save(
+    tmp_path,
+) -> None:
+    """A killed run leaves its spare files (close never ran): the next run's first save
+    writes into them, and its node's lead then deletes those beyond what a save writes on the
+    node, so they no longer hold their memory for the whole run."""
+    out = run_distributed(spare_cycle, 2, str(tmp_path), NODES, [1, 2, 3], leftover=4)
+    for o in out:
+        assert len(o["planted"]) == 4
+        assert set(o["planted"]) & set(o["checkpoints"][0]), "the first save took no leftover"
+        assert o["pool_bytes"][0] < 8 << 20, "leftovers beyond one save's bytes were kept"
+        assert all(p <= s for p, s in zip(o["pool_bytes"], o["saved_bytes"], strict=True)), o
+        assert o["after_close"] == []
+    got = run_distributed(load_spared, 2, str(tmp_path), NODES)
+    assert [(g["step"], g["tier"], g["ok"]) for g in got] == [(3, "local", True)] * 2
+
+
 def cli_ls(local: Path) -> list[str]:
     import contextlib
     import io

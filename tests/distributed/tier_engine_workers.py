@@ -214,18 +214,29 @@ def load_sharded(root: str, nodes: list[str], **options: Any) -> dict[str, Any]:
     }
 
 
-def spare_cycle(root: str, nodes: list[str], steps: list[int]) -> dict[str, Any]:
+def spare_cycle(root: str, nodes: list[str], steps: list[int], leftover: int = 0) -> dict[str, Any]:
     """Save ``steps`` with a 2 MiB per-rank entry (one rank per node, so each rank is its
     node's lead): after each save, the inodes of the node's spare files and of the files of
-    its checkpoints; the spare files left at the end, before and after ``close``."""
+    its checkpoints, and the bytes of each; the spare files left at the end, before and after
+    ``close``. ``leftover`` 8 MiB spare files are planted first, as a killed run leaves them."""
     rank = dist.get_rank()
     local = local_root(root, nodes[rank])
     pool = os.path.join(local, ".spares")
+    os.makedirs(pool, exist_ok=True)
+    for i in range(leftover):
+        with open(os.path.join(pool, f"killed{i}.spare"), "wb") as f:
+            f.write(b"\xee" * (8 << 20))
 
     def inodes(top: str) -> set[int]:
         return {os.stat(os.path.join(d, n)).st_ino for d, _, names in os.walk(top) for n in names}
 
-    out: dict[str, Any] = {"pool": [], "checkpoints": []}
+    def size(top: str) -> int:
+        return sum(
+            os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(top) for n in names
+        )
+
+    out: dict[str, Any] = {"pool": [], "checkpoints": [], "pool_bytes": [], "saved_bytes": []}
+    out["planted"] = sorted(inodes(pool))
     eng = engine(root, nodes, local_keep=2)
     with eng:
         for step in steps:
@@ -236,6 +247,8 @@ def spare_cycle(root: str, nodes: list[str], steps: list[int]) -> dict[str, Any]
             out["pool"].append(sorted(inodes(pool)) if os.path.isdir(pool) else [])
             ckpts = [os.path.join(local, n) for n in os.listdir(local) if n.startswith("step_")]
             out["checkpoints"].append(sorted(set().union(*(inodes(c) for c in ckpts))))
+            out["pool_bytes"].append(size(pool))
+            out["saved_bytes"].append(size(os.path.join(local, f"step_{step:09d}")))
         out["before_close"] = len(os.listdir(pool)) if os.path.isdir(pool) else 0
     out["after_close"] = os.listdir(pool) if os.path.isdir(pool) else []
     return out

@@ -146,3 +146,21 @@ def test_clear_deletes_every_spare_and_listings_never_show_the_pool(tmp_path) ->
     assert Catalog(storage).scan() == []
     storage.spares.clear()  # type: ignore[union-attr]
     assert spares(storage) == []
+
+
+def test_trim_deletes_the_largest_spares_until_the_pool_fits_its_limit(tmp_path) -> None:
+    storage = make(tmp_path, limit=100 * MIB)
+    for i, n in enumerate((2, 3, 5)):
+        storage.write_bytes(f"e/{i}", blob(n * MIB, i))
+    retire_tree(storage, "e")
+    pool = storage.spares
+    assert pool is not None and pool.held() == 10 * MIB
+    pool.trim()  # under its limit: nothing goes
+    assert [s for s, _ in spares(storage)] == [2 * MIB, 3 * MIB, 5 * MIB]
+    pool.limit = 6 * MIB
+    pool.trim()
+    assert [s for s, _ in spares(storage)] == [2 * MIB, 3 * MIB]
+    pool.trim(2 * MIB)
+    assert [s for s, _ in spares(storage)] == [2 * MIB]
+    pool.trim(0)
+    assert spares(storage) == [] and pool.held() == 0

@@ -102,9 +102,20 @@ class SparePool:
 
     def clear(self) -> None:
         """Delete every spare (the pool's folder stays)."""
-        for _, path in self._spares():
-            with contextlib.suppress(FileNotFoundError):
+        self.trim(0)
+
+    def trim(self, limit: int | None = None) -> None:
+        """Delete spares, the largest first, until they take at most ``limit`` bytes (the
+        pool's own limit by default): those a killed run left, or more than a smaller save
+        now writes, would otherwise hold their memory until :meth:`clear`."""
+        limit = self.limit if limit is None else limit
+        spares = sorted(self._spares())
+        held = sum(n for n, _ in spares)
+        while spares and held > limit:
+            size, path = spares.pop()
+            with contextlib.suppress(FileNotFoundError):  # taken by a write meanwhile
                 os.unlink(path)
+            held -= size
 
     def _own_folder(self) -> bool:
         """Whether the pool's folder is a folder of the root, not a link: one planted there

@@ -474,6 +474,7 @@ class TierSet:
         except StorageError:
             return
         self.spares.limit = sum(e.size for e in entries if not e.is_dir and not e.is_link)
+        self.spares.trim()
 
     def transfers(self, manifest: Manifest) -> list[Transfer]:
         """The copies one save makes: each rank's shard to the leads of its replica nodes,
