@@ -72,6 +72,35 @@ def test_an_interrupt_in_one_direction_starts_no_more_transfers_in_the_other(
 
 
 @pytest.mark.timeout(60)
+def test_both_directions_crashing_raise_one_and_name_the_other(tmp_path) -> None:
+    """Rank 0's writer (receiving) is interrupted, then its memory source (sending, 1 s
+    into the read, so the receive has begun before either stops the other): the sending
+    direction's interrupt is raised, with a note naming the receiving one's, which used to be
+    dropped without a trace."""
+    x, y = data(3000, 51), data(3000, 52)
+    files = {0: {}, 1: {"s/y": y}}
+    transfers = [move(0, 1, "s/x", x), move(1, 0, "s/y", y)]
+    results = run(
+        tmp_path,
+        2,
+        files,
+        transfers,
+        chunk_bytes=1000,
+        timeout_s=5,
+        memory={0: {"s/x": "raise"}},
+        lane_hooks=[(0, "abort_memory_source", {"delay": 1.0})],
+        hooks=[(0, "abort_writer", {"path": "s/y", "after": 0})],
+    )
+    crashed = results[0]
+    assert crashed["other"] == "Abort: interrupted while reading the staged payload"
+    assert len(crashed["notes"]) == 1, crashed["notes"]
+    assert crashed["notes"][0].startswith("the receiving direction crashed too: Abort(")
+    assert "interrupted after 0 chunks" in crashed["notes"][0]
+    assert crashed["lanes"]["threads_at_return"] == []
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.timeout(60)
 def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behind(
     tmp_path,
 ) -> None:

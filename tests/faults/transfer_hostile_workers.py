@@ -58,7 +58,7 @@ def hostile_worker(
             sources[path] = _raising_source
         else:
             sources[path] = lambda pieces=pieces: [memoryview(p) for p in pieces]
-    out: dict[str, Any] = {"error": None, "stats": None, "other": None}
+    out: dict[str, Any] = {"error": None, "stats": None, "other": None, "notes": []}
     start = time.monotonic()
     try:
         out["stats"] = execute_transfers(
@@ -74,6 +74,7 @@ def hostile_worker(
         out["stats"], out["error"] = exc.stats, exc.with_traceback(None)
     except BaseException as exc:
         out["other"] = f"{type(exc).__name__}: {exc}"
+        out["notes"] = list(getattr(exc, "__notes__", []))
     out["seconds"] = time.monotonic() - start
     time.sleep(settle_s)
     gc.collect()

@@ -59,11 +59,12 @@ def _threads_at_return() -> None:
 # ----------------------------------------------------------------------------- hooks
 
 
-def abort_memory_source() -> None:
+def abort_memory_source(delay: float = 0.0) -> None:
     """A memory source given as ``"raise"`` raises a BaseException (an interrupt while the
-    payload is read) instead of a RuntimeError."""
+    payload is read, ``delay`` seconds into it) instead of a RuntimeError."""
 
     def aborting() -> Any:
+        time.sleep(delay)
         raise workers.Abort("interrupted while reading the staged payload")
 
     workers._raising_source = aborting  # type: ignore[assignment]

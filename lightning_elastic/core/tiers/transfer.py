@@ -333,9 +333,7 @@ def execute_transfers(
     else:
         for lane in lanes:
             run(lane)
-    for lane in lanes:
-        if lane.crashed is not None:
-            raise lane.crashed
+    _raise_crash(lanes)
     counts = {f.name: 0 for f in fields(TransferStats) if f.name != "seconds"}
     for lane in lanes:
         for key, value in lane.counts.items():
@@ -346,6 +344,22 @@ def execute_transfers(
         integrity = all(f.kind == "integrity" for f in failures)
         raise (TransferIntegrityError if integrity else TransferError)(failures, stats)
     return stats
+
+
+def _raise_crash(lanes: list[_Lane]) -> None:
+    """Raise what stopped a direction (the sending one's first, if both): the other's crash
+    is logged with its traceback and named in a note of what is raised, not lost."""
+    crashed = [lane for lane in lanes if lane.crashed is not None]
+    if not crashed:
+        return
+    first = crashed[0].crashed
+    assert first is not None
+    for lane in crashed[1:]:
+        if lane.crashed is not first:
+            side = "sending" if lane.sending else "receiving"
+            log.error("the %s direction of the transfers crashed too", side, exc_info=lane.crashed)
+            first.add_note(f"the {side} direction crashed too: {lane.crashed!r}")
+    raise first
 
 
 def _join(thread: threading.Thread, done: threading.Event, peers: _Peers) -> None:
