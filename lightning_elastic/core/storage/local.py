@@ -113,8 +113,12 @@ class SparePool:
         held = sum(n for n, _ in spares)
         while spares and held > limit:
             size, path = spares.pop()
-            with contextlib.suppress(FileNotFoundError):  # taken by a write meanwhile
+            try:
                 os.unlink(path)
+            except FileNotFoundError:  # taken by a write meanwhile
+                pass
+            except OSError:  # not deletable (now a folder, EPERM): it stays, and counts
+                continue
             held -= size
 
     def _own_folder(self) -> bool:
