@@ -46,6 +46,7 @@ One transfer's exchange (tag = its index in the list, so no message matches anot
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -358,7 +359,8 @@ def _raise_crash(lanes: list[_Lane]) -> None:
         if lane.crashed is not first:
             side = "sending" if lane.sending else "receiving"
             log.error("the %s direction of the transfers crashed too", side, exc_info=lane.crashed)
-            first.add_note(f"the {side} direction crashed too: {lane.crashed!r}")
+            with contextlib.suppress(Exception):  # a note that fails must not replace `first`
+                first.add_note(f"the {side} direction crashed too: {lane.crashed!r}")
     raise first
 
 
