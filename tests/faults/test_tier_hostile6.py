@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +20,8 @@ from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.local import SPARE_MIN_BYTES, LocalStorage
 from lightning_elastic.core.tiers import transfer
+from lightning_elastic.testing.spawn import run_distributed
+from tests.distributed.tier_engine_workers import load_latest, save_steps
 
 MIB = SPARE_MIN_BYTES
 
@@ -161,3 +164,27 @@ def test_an_interrupt_in_the_receiving_direction_is_named_and_logged(caplog) -> 
         "the receiving direction crashed too: KeyboardInterrupt('receiving')"
     ]
     assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [received]
+
+
+# ----------------------------------------------------------------------------- world size
+
+
+@pytest.mark.timeout(180)
+def test_a_changed_world_size_with_a_shard_on_no_node_reads_it_from_the_persistent_tier(
+    tmp_path,
+) -> None:
+    """Issue 11 (2): a changed world size recovers from the persistent tier where no node
+    holds every shard. Without replicas node b's shard was on b alone, and b is gone: 3 ranks
+    on a, a and a fresh b read b's old shard from the persistent tier; then 1 rank on node a
+    alone (b's copy may now be on b only) recovers the same step."""
+    run_distributed(save_steps, 2, str(tmp_path), ["a", "b"], [1, 2, 3], per_rank=False, replicas=0)
+    shutil.rmtree(tmp_path / "local_b")
+    got = run_distributed(
+        load_latest, 3, str(tmp_path), ["a", "a", "b"], per_rank=False, replicas=0
+    )
+    assert [(g["step"], g["w_ok"]) for g in got] == [(3, True)] * 3, got
+    assert {g["recovery"]["plan_tier"] for g in got} == {"persistent"}, got
+    assert sum(g["recovery"]["bytes"]["persistent"] for g in got) > 0, got
+    shutil.rmtree(tmp_path / "local_b")
+    (one,) = run_distributed(load_latest, 1, str(tmp_path), ["a"], per_rank=False, replicas=0)
+    assert one["step"] == 3 and one["w_ok"], one
