@@ -144,6 +144,7 @@ def test_clear_deletes_every_spare_and_listings_never_show_the_pool(tmp_path) ->
     retire_tree(storage, "step_000000001")
     assert len(spares(storage)) == 1
     assert Catalog(storage).scan() == []
+    (Path(storage.root) / ".spares" / "empty.spare").write_bytes(b"")  # planted: 0 bytes
     storage.spares.clear()  # type: ignore[union-attr]
     assert spares(storage) == []
 

@@ -101,8 +101,11 @@ class SparePool:
         return sum(n for n, _ in self._spares())
 
     def clear(self) -> None:
-        """Delete every spare (the pool's folder stays)."""
-        self.trim(0)
+        """Delete every spare, empty ones too (the pool's folder stays; a spare that cannot
+        be deleted stays, as in :meth:`trim`)."""
+        for _, path in self._spares():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def trim(self, limit: int | None = None) -> None:
         """Delete spares, the largest first, until they take at most ``limit`` bytes (the
