@@ -13,6 +13,7 @@ import pytest
 from lightning_elastic.testing.spawn import run_distributed
 from tests.distributed.tier_engine_workers import (
     files_read,
+    gated_background,
     load_latest,
     load_sharded,
     load_spared,
@@ -62,6 +63,27 @@ def test_every_node_commits_each_save_with_the_other_nodes_replicas_and_recovers
         assert g["rank_state"] == {"rank": rank, "step": 4}
         assert g["recovery"]["tier"] == "local"
         assert g["recovery"]["bytes"]["peer"] == g["recovery"]["bytes"]["persistent"] == 0
+
+
+def test_a_save_blocks_for_its_staging_only_and_copies_on_the_tier_group(tmp_path) -> None:
+    """The copies between nodes and the upload of a persisted save wait on a gate: the save
+    call returns all the same, and its handle stays pending until the gate opens (the local
+    write, the copies and the upload run in the background). What is saved is the state as
+    it was at the call (staged), not as it was changed after it, on every tier. The copies
+    run on the engine's own gloo group, never the default (training) group."""
+    out = run_distributed(gated_background, 2, str(tmp_path), NODES)
+    for o in out:
+        assert o["done_at_return"] is False and o["done_while_gated"] is False, o
+        assert o["gated"] == (True, True) or o["gated"] == (True, None), o
+        assert o["tier_group"] and o["not_default"], o
+    assert any(o["gated"][1] for o in out), "no rank uploaded"
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    assert [(g["step"], g["w_ok"], g["mine"]) for g in got] == [(1, True, 100), (1, True, 101)]
+    shutil.rmtree(tmp_path / "local_a")
+    shutil.rmtree(tmp_path / "local_b")
+    got = run_distributed(load_latest, 2, str(tmp_path), NODES)
+    assert [g["recovery"]["tier"] for g in got] == ["persistent"] * 2
+    assert [(g["step"], g["w_ok"], g["mine"]) for g in got] == [(1, True, 100), (1, True, 101)]
 
 
 def test_a_fresh_node_recovers_from_the_replicas_and_both_lost_from_the_persistent_tier(

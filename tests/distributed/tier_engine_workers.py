@@ -269,3 +269,51 @@ def load_spared(root: str, nodes: list[str]) -> dict[str, Any]:
             "ok": bool(torch.equal(state["w"], torch.arange(4096.0) + step))
             and bool(torch.all(state["mine"] == 100 * step + rank)),
         }
+
+
+def gated_background(root: str, nodes: list[str]) -> dict[str, Any]:
+    """Save step 1 (persisted) while the save's copies between nodes and its upload wait on a
+    gate: whether the handle was done when the call returned and 0.5 s later; then the state
+    is changed (after the call: not what is saved), the gate opened, and the group the copies
+    ran on compared with the engine's own and the default one."""
+    import threading
+    import time
+
+    from lightning_elastic.core.tiers import runtime
+
+    rank = dist.get_rank()
+    gate = threading.Event()
+    seen: dict[str, Any] = {}
+    real_transfers, real_persist = runtime.execute_transfers, runtime.persist_checkpoint
+
+    def transfers(*args: Any, **kwargs: Any) -> Any:
+        seen["group"] = kwargs["group"]
+        seen["transfers_gated"] = gate.wait(60)
+        return real_transfers(*args, **kwargs)
+
+    def persist(*args: Any, **kwargs: Any) -> Any:
+        seen["persist_gated"] = gate.wait(60)
+        return real_persist(*args, **kwargs)
+
+    runtime.execute_transfers, runtime.persist_checkpoint = transfers, persist  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    try:
+        with engine(root, nodes) as eng:
+            state = state_of(1, rank)
+            handle = eng.save(state, step=1, persist=True)
+            out["done_at_return"] = handle.done()
+            state["w"] += 1000.0
+            state["mine"] += 1000.0
+            time.sleep(0.5)
+            out["done_while_gated"] = handle.done()
+            gate.set()
+            handle.result()
+            eng.wait()
+            group = seen["group"]
+            tiers = eng._tiers  # type: ignore[attr-defined]
+            out["tier_group"] = group is not None and group is tiers.group
+            out["not_default"] = group is not dist.group.WORLD
+            out["gated"] = (seen["transfers_gated"], seen.get("persist_gated"))
+    finally:
+        runtime.execute_transfers, runtime.persist_checkpoint = real_transfers, real_persist  # type: ignore[assignment]
+    return out

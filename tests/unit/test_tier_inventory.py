@@ -223,3 +223,24 @@ def test_a_checkpoint_without_its_manifest_lists_the_save_files_it_holds(source,
     files = {f.name: f.stat().st_size for f in (source / NEW).iterdir() if f.name != MANIFEST_FILE}
     assert found.uncommitted == {NEW: {f"{NEW}/{n}": size for n, size in files.items()}}
     assert NEW not in found.checkpoints
+
+
+def test_a_node_is_the_host_name_unless_the_node_variable_names_it(tmp_path, monkeypatch) -> None:
+    """Without ``node=`` an engine's node is ``$LIGHTNING_ELASTIC_NODE``, else the host name
+    (what real nodes rely on: no variable to set per host)."""
+    import socket
+
+    from lightning_elastic.core.tiers.layout import NODE_ENV
+
+    def node_of() -> str:
+        with CheckpointEngine(tmp_path / "persistent", local_root=tmp_path / "local") as eng:
+            tiers = eng._tiers  # type: ignore[attr-defined]
+            return tiers.node
+
+    monkeypatch.delenv(NODE_ENV, raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "host-7.cluster")
+    assert node_of() == "host-7.cluster"
+    monkeypatch.setenv(NODE_ENV, "rack2-node3")
+    assert node_of() == "rack2-node3"
+    monkeypatch.setenv(NODE_ENV, "")  # set but empty: the host name
+    assert node_of() == "host-7.cluster"
