@@ -137,6 +137,41 @@ def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behin
     assert not leftovers(tmp_path)
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_receiving_direction_crashes_names_that_crash(tmp_path) -> None:
+    """Ctrl-C reaches rank 0's calling thread while it waits for its receiving thread, whose
+    write of the transfer in progress then fails with a BaseException: the KeyboardInterrupt
+    is raised, with a note naming that crash (it was dropped without a trace)."""
+    later = [f"s/later{i}" for i in range(2)]
+    contents = {p: data(1000, 70 + i) for i, p in enumerate(later)}
+    first = data(10, 69)
+    files = {0: {"s/first": first}, 1: contents}
+    transfers = [move(0, 1, "s/first", first)] + [move(1, 0, p, contents[p]) for p in later]
+    results = run(
+        tmp_path,
+        2,
+        files,
+        transfers,
+        chunk_bytes=1000,
+        timeout_s=5,
+        settle_s=2.5,
+        hooks=[*slow(1, later, 1.0), (0, "abort_writer", {"path": later[0], "after": 0})],
+        lane_hooks=[(0, "interrupt_after", {"delay": 0.4})],
+    )
+    interrupted = results[0]
+    assert interrupted["other"] is not None
+    assert interrupted["other"].startswith("KeyboardInterrupt"), interrupted["other"]
+    assert len(interrupted["notes"]) == 1, interrupted["notes"]
+    note = interrupted["notes"][0]
+    assert note.startswith("the receiving direction crashed too: Abort("), note
+    # the direction's thread has ended; the aborted file's own receiver may still wait for
+    # the stream's last message (its sender reads slowly), then ends
+    assert "le-transfer-in" not in interrupted["lanes"]["threads_at_return"]
+    assert interrupted["threads"] == []
+    assert not on_node(tmp_path, 0, later[1]).exists(), "received after the interrupt"
+    assert not leftovers(tmp_path)
+
+
 # ----------------------------------------------------------------------------- relays
 
 

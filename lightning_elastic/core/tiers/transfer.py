@@ -330,7 +330,7 @@ def execute_transfers(
         try:
             run(sends)
         finally:
-            _join(thread, done, peers)
+            _join(thread, done, peers, receives)
     else:
         for lane in lanes:
             run(lane)
@@ -356,25 +356,34 @@ def _raise_crash(lanes: list[_Lane]) -> None:
     first = crashed[0].crashed
     assert first is not None
     for lane in crashed[1:]:
-        if lane.crashed is not first:
-            side = "sending" if lane.sending else "receiving"
-            log.error("the %s direction of the transfers crashed too", side, exc_info=lane.crashed)
-            with contextlib.suppress(Exception):  # a note that fails must not replace `first`
-                first.add_note(f"the {side} direction crashed too: {lane.crashed!r}")
+        _name_crash(first, lane)
     raise first
 
 
-def _join(thread: threading.Thread, done: threading.Event, peers: _Peers) -> None:
-    """Wait for the receiving direction (``done``). Interrupted meanwhile (Ctrl-C on the
-    caller's thread): it starts no more transfers, and the wait goes on for the one it is in
-    (bounded by ``timeout``), so no thread of this call goes on writing files and taking this
-    group's messages after the call raised. (An interrupted ``Thread.join`` cannot be waited
-    again: Python 3.11 then takes the thread for ended.)"""
+def _name_crash(raised: BaseException, lane: _Lane) -> None:
+    """Log ``lane``'s crash, if any and not ``raised`` itself, with its traceback, and name it
+    in a note of ``raised`` (best effort: a note that fails must not replace ``raised``)."""
+    if lane.crashed is None or lane.crashed is raised:
+        return
+    side = "sending" if lane.sending else "receiving"
+    log.error("the %s direction of the transfers crashed too", side, exc_info=lane.crashed)
+    with contextlib.suppress(Exception):
+        raised.add_note(f"the {side} direction crashed too: {lane.crashed!r}")
+
+
+def _join(thread: threading.Thread, done: threading.Event, peers: _Peers, lane: _Lane) -> None:
+    """Wait for the receiving direction (``done``, ``lane``). Interrupted meanwhile (Ctrl-C
+    on the caller's thread): it starts no more transfers, and the wait goes on for the one it
+    is in (bounded by ``timeout``), so no thread of this call goes on writing files and taking
+    this group's messages after the call raised; the interrupt is raised, naming the
+    direction's crash if it had one. (An interrupted ``Thread.join`` cannot be waited again:
+    Python 3.11 then takes the thread for ended.)"""
     try:
         done.wait()
-    except BaseException:
+    except BaseException as interrupt:
         peers.stopped = True
         done.wait()
+        _name_crash(interrupt, lane)
         raise
     thread.join()
 
