@@ -59,6 +59,9 @@ def transfer_worker(
     if write_after_sent is not None and rank == write_after_sent[0]:
         _write_after_sent(storage, *write_after_sent[1:])
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    # every rank's connections of the group are made: a rank that exits before another has
+    # connected to it fails that one's new_group (gloo connectFullMesh), not its transfers
+    dist.barrier()
     if rank == exit_on_rank:
         os._exit(0)  # a rank that dies after setup: its peers must not hang
     if stall is not None and rank == stall[0]:
