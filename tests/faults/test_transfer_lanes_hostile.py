@@ -19,6 +19,9 @@ from tests.faults import transfer_lanes_hostile_workers as lane_workers
 
 
 def run(root: Path, world: int, files: dict, transfers: list, **kwargs) -> list[dict]:
+    """The transfers on ``world`` ranks (chunks of 1000 bytes and a 5 s timeout unless
+    given): each rank's result."""
+    kwargs = {"chunk_bytes": 1000, "timeout_s": 5, **kwargs}
     return run_distributed(
         lane_workers.lanes_worker, world, str(root), files, transfers, timeout=60, **kwargs
     )
@@ -57,9 +60,7 @@ def test_an_interrupt_in_one_direction_starts_no_more_transfers_in_the_other(
         files = {0: contents, 1: {"s/x": x}}
         transfers = [move(1, 0, "s/x", x)] + [move(0, 1, p, contents[p]) for p in later]
         kwargs = {"hooks": [(0, "abort_writer", {"path": "s/x", "after": 0}), *slow(0, later, 0.4)]}
-    results = run(
-        tmp_path, 2, files, transfers, chunk_bytes=1000, timeout_s=5, settle_s=2.0, **kwargs
-    )
+    results = run(tmp_path, 2, files, transfers, settle_s=2.0, **kwargs)
     interrupted = results[0]
     assert interrupted["other"] is not None and interrupted["other"].startswith("Abort")
     got = 0 if where == "sending" else 1
@@ -85,8 +86,6 @@ def test_both_directions_crashing_raise_one_and_name_the_other(tmp_path) -> None
         2,
         files,
         transfers,
-        chunk_bytes=1000,
-        timeout_s=5,
         memory={0: {"s/x": "raise"}},
         lane_hooks=[(0, "abort_memory_source", {"delay": 1.0})],
         hooks=[(0, "abort_writer", {"path": "s/y", "after": 0})],
@@ -100,16 +99,19 @@ def test_both_directions_crashing_raise_one_and_name_the_other(tmp_path) -> None
     assert not leftovers(tmp_path)
 
 
-@pytest.mark.timeout(60)
-def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behind(
-    tmp_path,
-) -> None:
-    """Rank 0's sends are done and its calling thread waits for its receiving thread, which
-    is busy with slow transfers, when Ctrl-C comes. The KeyboardInterrupt reaches the caller,
-    and no thread of the call outlives it: a receiving thread left running would go on
-    writing files into the node's tier after the call raised, and take messages with the
-    same tags (list indices) as the next call on the same group."""
-    later = [f"s/later{i}" for i in range(4)]
+def interrupted_while_receiving(
+    tmp_path: Path,
+    count: int,
+    read_delay: float,
+    interrupt_s: float,
+    hooks: list[tuple[int, str, dict]] | None = None,
+    lane_hooks: list[tuple[int, str, dict]] | None = None,
+) -> tuple[dict, list[str], bytes]:
+    """Rank 0 sends one small file, then its calling thread waits for its receiving thread
+    (``count`` files from rank 1, which reads each chunk ``read_delay`` s late) when Ctrl-C
+    reaches it ``interrupt_s`` s into the call. Rank 0's result (a KeyboardInterrupt), the
+    paths it receives, and the bytes it sent."""
+    later = [f"s/later{i}" for i in range(count)]
     contents = {p: data(1000, 50 + i) for i, p in enumerate(later)}
     first = data(10, 49)
     files = {0: {"s/first": first}, 1: contents}
@@ -119,15 +121,28 @@ def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behin
         2,
         files,
         transfers,
-        chunk_bytes=1000,
-        timeout_s=5,
         settle_s=2.5,
-        hooks=slow(1, later, 0.4),
-        lane_hooks=[(0, "interrupt_after", {"delay": 0.3}), (0, "time_receives", {})],
+        hooks=[*slow(1, later, read_delay), *(hooks or [])],
+        lane_hooks=[(0, "interrupt_after", {"delay": interrupt_s}), *(lane_hooks or [])],
     )
     interrupted = results[0]
     assert interrupted["other"] is not None
     assert interrupted["other"].startswith("KeyboardInterrupt"), interrupted["other"]
+    return interrupted, later, first
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_for_the_receiving_direction_leaves_no_thread_behind(
+    tmp_path,
+) -> None:
+    """Rank 0's sends are done and its calling thread waits for its receiving thread, which
+    is busy with slow transfers, when Ctrl-C comes. The KeyboardInterrupt reaches the caller,
+    and no thread of the call outlives it: a receiving thread left running would go on
+    writing files into the node's tier after the call raised, and take messages with the
+    same tags (list indices) as the next call on the same group."""
+    interrupted, later, first = interrupted_while_receiving(
+        tmp_path, 4, 0.4, 0.3, lane_hooks=[(0, "time_receives", {})]
+    )
     seen = interrupted["lanes"]
     after = [p for p, at in seen["received_at"].items() if at > seen["returned_at"]]
     assert after == [], f"received after the call raised: {after}"
@@ -142,25 +157,8 @@ def test_ctrl_c_while_the_receiving_direction_crashes_names_that_crash(tmp_path)
     """Ctrl-C reaches rank 0's calling thread while it waits for its receiving thread, whose
     write of the transfer in progress then fails with a BaseException: the KeyboardInterrupt
     is raised, with a note naming that crash (it was dropped without a trace)."""
-    later = [f"s/later{i}" for i in range(2)]
-    contents = {p: data(1000, 70 + i) for i, p in enumerate(later)}
-    first = data(10, 69)
-    files = {0: {"s/first": first}, 1: contents}
-    transfers = [move(0, 1, "s/first", first)] + [move(1, 0, p, contents[p]) for p in later]
-    results = run(
-        tmp_path,
-        2,
-        files,
-        transfers,
-        chunk_bytes=1000,
-        timeout_s=5,
-        settle_s=2.5,
-        hooks=[*slow(1, later, 1.0), (0, "abort_writer", {"path": later[0], "after": 0})],
-        lane_hooks=[(0, "interrupt_after", {"delay": 0.4})],
-    )
-    interrupted = results[0]
-    assert interrupted["other"] is not None
-    assert interrupted["other"].startswith("KeyboardInterrupt"), interrupted["other"]
+    abort = (0, "abort_writer", {"path": "s/later0", "after": 0})
+    interrupted, later, _ = interrupted_while_receiving(tmp_path, 2, 1.0, 0.4, hooks=[abort])
     assert len(interrupted["notes"]) == 1, interrupted["notes"]
     note = interrupted["notes"][0]
     assert note.startswith("the receiving direction crashed too: Abort("), note
