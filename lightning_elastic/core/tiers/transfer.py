@@ -350,13 +350,11 @@ def execute_transfers(
 def _raise_crash(lanes: list[_Lane]) -> None:
     """Raise what stopped a direction (the sending one's first, if both): the other's crash
     is logged with its traceback and named in a note of what is raised, not lost."""
-    crashed = [lane for lane in lanes if lane.crashed is not None]
-    if not crashed:
+    first = next((lane.crashed for lane in lanes if lane.crashed is not None), None)
+    if first is None:
         return
-    first = crashed[0].crashed
-    assert first is not None
-    for lane in crashed[1:]:
-        _name_crash(first, lane)
+    for lane in lanes:
+        _name_crash(first, lane)  # skips the lane that raised it, and one that did not crash
     raise first
 
 
