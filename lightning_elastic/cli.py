@@ -93,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_elastic.launcher import main as launch
 
         return launch(argv[1:])
+    if argv[:1] == ["lighthouse"]:  # torchft's Lighthouse in the foreground
+        from lightning_elastic.lighthouse import main as lighthouse
+
+        return lighthouse(argv[1:])
     as_json = "--json" in argv
     try:
         args = _parser().parse_args(argv)
@@ -163,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="torchrun (same arguments), except that a planned membership change does not "
         "use up --max-restarts; --warm-start forks workers with torch and Lightning imported",
+    )
+
+    sub.add_parser(
+        "lighthouse",
+        help="torchft's Lighthouse for replica groups (strategy='elastic_ft'), in the "
+        "foreground until SIGTERM/Ctrl-C; see `lightning-elastic lighthouse --help`",
     )
 
     def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:

@@ -650,6 +650,15 @@ class CheckpointEngine:
         log.info("loaded checkpoint %s (step %s)", info.location, info.step)
         return result
 
+    def adopt_run(self, run_id: str) -> None:
+        """Write ``run_id`` from now on (not collective; every rank calls it with the same
+        id): a job that joins a run another job writes (replica groups share one run). An
+        engine given an explicit ``run_id`` keeps its own."""
+        check_run_name(run_id, "run_id")
+        if not self._explicit_run and run_id != self._ctx.run_id:
+            log.info("writing run %s (was %s)", run_id, self._ctx.run_id)
+            self._ctx.run_id = run_id
+
     def list(self) -> list[CheckpointInfo]:
         """All checkpoint directories under the root, oldest first (local, not collective)."""
         return self.catalog.scan()
@@ -659,19 +668,22 @@ class CheckpointEngine:
     def _run_filter(self) -> str | None:
         return self.run_id if self._explicit_run else None
 
-    def take_over(self) -> None:
+    def take_over(self, *, renew: bool = False) -> None:
         """Take this job's lease on the run now (collective; rank 0 writes it), so a
         still-running older copy of the job cannot commit from here on (see
         :mod:`~lightning_elastic.core.dist.lease`). Call it once the job is sure to continue
-        the run; the first save takes it otherwise."""
+        the run; the first save takes it otherwise. ``renew``: take a new generation even if
+        this job holds one (a writer that hands the run back and forth, such as the leader of
+        replica groups, becomes the newest writer again)."""
         ctx = self._ctx
 
         tiers = self._tiers
 
         def take() -> None:
-            if ctx.lease is None or ctx.lease.run_id != ctx.run_id:
+            if renew or ctx.lease is None or ctx.lease.run_id != ctx.run_id:
                 ctx.lease = take_lease(ctx.storage, ctx.run_id)
-            if tiers is not None and (p := tiers.persistent).lease is None:
+            if tiers is not None and (renew or (p := tiers.persistent).lease is None):
+                p = tiers.persistent
                 p.lease = take_lease(p.storage, ctx.run_id)
 
         self.coordinator.broadcast(Phase.LOAD, take, error=CheckpointLoadError)

@@ -266,7 +266,9 @@ def make_replica_loader(
     if batch_size is None:
         raise ConfigError("strategy='elastic_ft' needs a DataLoader built with batch_size=...")
     drop_last = drop_last or bool(dataloader.drop_last)
-    plan = QueuePlan(len(cast(Sized, dataloader.dataset)), seed=seed, shuffle=shuffle, drop_last=drop_last)
+    plan = QueuePlan(
+        len(cast(Sized, dataloader.dataset)), seed=seed, shuffle=shuffle, drop_last=drop_last
+    )
     data = ReplicaData(
         plan,
         batch_size=int(batch_size),

@@ -58,6 +58,7 @@ class LiveState:
                 },
                 "progress": loop_progress(trainer),
                 "data": None if data is None else data.state(),
+                "run_id": None if (writer := _writer(trainer)) is None else writer.run_id,
             }
         )
         return captured
@@ -84,6 +85,9 @@ class LiveState:
             if saved:
                 callback.load_state_dict(saved)
         set_loop_progress(trainer, state["progress"])
+        writer = _writer(trainer)
+        if writer is not None and isinstance(state.get("run_id"), str):
+            writer.adopt_run(state["run_id"])  # one run, whichever group writes it
         if state.get("data") is not None and strategy._data is not None:
             strategy._data.load_state(state["data"])
 
@@ -129,6 +133,13 @@ class MetricSnapshot:
             for name, value in states.items():
                 setattr(metric, name, _shallow(value))
             set_metric_update_count(metric, count)
+
+
+def _writer(trainer: Any) -> Any:
+    """The engine the trainer's ``DistributedCheckpoint`` writes with, if any."""
+    from lightning_elastic.lightning.session import ElasticSession
+
+    return ElasticSession.of(trainer).writer
 
 
 def _shallow(value: Any) -> Any:

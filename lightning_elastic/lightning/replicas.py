@@ -26,9 +26,11 @@ a mean over the batch (as under DDP); each micro-batch's is weighted by its shar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +44,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_elastic.core.options import check_choice
+from lightning_elastic.core.elastic.planned_exit import record_planned_exit
+from lightning_elastic.core.options import check_choice, check_signals
+from lightning_elastic.core.policy.triggers import SignalFlag
 from lightning_elastic.core.replicas.group import ReplicaGroup, ReplicaOptions, unflatten_into
 from lightning_elastic.errors import ConfigError, ReplicaGroupError
 from lightning_elastic.lightning._compat import (
@@ -60,9 +64,27 @@ from lightning_elastic.lightning.replica_data import (
 from lightning_elastic.lightning.replica_state import LiveState, MetricSnapshot
 from lightning_elastic.lightning.strategy import ElasticCheckpointing
 
-__all__ = ["ElasticFTStrategy"]
+__all__ = ["ElasticFTStrategy", "ReplicaRole"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaRole:
+    """This group's part in the job after the last committed step, as checkpoint callbacks
+    read it: ``leader`` (participant 0: it writes the job's checkpoints, once for every
+    group), the participating groups, and a drain: this group ``leaving`` (a drain signal
+    reached one of its processes; it leaves before the next step), and whether every group
+    is (then the leader takes a last checkpoint first). ``leader_since`` changes whenever
+    another group may have led in between (this group was not the leader, or healed): the
+    leader then takes the run's lease anew before it writes."""
+
+    leader: bool
+    participants: int
+    leader_since: int | None = None  # the step this group's current leadership began
+    leaving: bool = False
+    everyone_leaving: bool = False
+    signum: int = 0
 
 
 class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
@@ -78,6 +100,9 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             is redone without the group that did not answer.
         quorum_timeout: seconds to wait for a quorum (the Lighthouse gone, too few groups)
             before :class:`~lightning_elastic.errors.ReplicaGroupError`.
+        drain_signals: signals that make this group leave at the next step boundary (a planned
+            drain: nothing is thrown away); when every group gets one, the leader writes a
+            last checkpoint first. Exit code ``128 + signal``.
         global_batch_size: samples per round whoever takes part (each process trains its share);
             default: the DataLoader's ``batch_size`` per process, so the global batch follows the
             number of processes taking part.
@@ -106,6 +131,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         min_replica_groups: int = 1,
         step_timeout: float = 30.0,
         quorum_timeout: float = 300.0,
+        drain_signals: Sequence[str | int] | str = ("SIGTERM", "SIGUSR1"),
         global_batch_size: int | None = None,
         checkpoint_timeout: timedelta | float | None = None,
         verify: str = "full",
@@ -138,7 +164,12 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             quorum_timeout=quorum_timeout,
             trusted=trusted,
         )
+        self.drain_signals = check_signals(drain_signals, "drain_signals")
         self.replicas: ReplicaGroup | None = None
+        self.role: ReplicaRole | None = None
+        self._leader_since: int | None = None
+        self._flag: SignalFlag | None = None
+        self._pending_checkpoint: dict[str, Any] | None = None
         self._data: ReplicaData | None = None
         self._sampler: ReplicaBatchSampler | None = None
         self._window: Window | None = None
@@ -211,17 +242,67 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         )
         if self._data is not None:  # reloaded dataloaders keep the epoch's queue
             data.queue = self._data.queue
+        elif self._pending_checkpoint is not None:  # resumed: the checkpoint's queue
+            data.load_state(self._pending_checkpoint["data"])
         self._data, self._sampler = data, sampler
         return rebuilt
 
     def teardown(self) -> None:
         """Leave the replica groups, then tear the strategy down."""
         replicas, self.replicas = self.replicas, None
+        if self._flag is not None:
+            self._flag.uninstall()
+            self._flag = None
         try:
             if replicas is not None:
                 replicas.close()
         finally:
             super().teardown()
+
+    def on_train_start(self) -> None:
+        """Training starts: the drain signals are this strategy's (installed after Lightning's
+        and the callbacks' handlers), and torchft's step counter is the loop's."""
+        super().on_train_start()
+        if self.replicas is None:
+            return
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        state = {"step": int(trainer.global_step), "batches_committed": 0}
+        if self._pending_checkpoint is not None:
+            state.update(self._pending_checkpoint.get("manager") or {})
+            state["step"] = int(trainer.global_step)
+            self._pending_checkpoint = None
+        self.replicas.load_state_dict(state)
+        if self.drain_signals:
+            self._flag = SignalFlag(self.drain_signals)
+            self._flag.install()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """A group that was drained leaves here, at the boundary after its last committed step
+        (the checkpoint callbacks' ``on_train_batch_start`` ran first)."""
+        role = self.role
+        if self.replicas is not None and role is not None and role.leaving:
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+            code = 128 + (role.signum or 15)
+            log.warning(
+                "replica group %r leaves after step %d (a drain signal); the others go on",
+                self.replicas.name,
+                trainer.global_step,
+            )
+            record_planned_exit(code, int(trainer.global_step))
+            raise SystemExit(code)
+        super().on_train_batch_start(batch, batch_idx)
+
+    def replica_checkpoint_state(self) -> dict[str, Any] | None:
+        """What a durable checkpoint holds of the replica groups: the data queue and torchft's
+        step state (replicated: the same in every group)."""
+        if self.replicas is None or self._data is None:
+            return None
+        return {"data": self._data.state(), "manager": self.replicas.state_dict()}
+
+    def restore_replica_checkpoint_state(self, state: dict[str, Any] | None) -> None:
+        """Resume from a durable checkpoint's :meth:`replica_checkpoint_state` (applied when the
+        training data is set up and training starts)."""
+        self._pending_checkpoint = state if isinstance(state, dict) and "data" in state else None
 
     # ------------------------------------------------------------------ each step
 
@@ -231,7 +312,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         """A training batch becomes this process's share of the step (joining the quorum at
         the step's first batch)."""
         trainer = self._fit_trainer()
-        if trainer is not None:
+        if trainer is not None and not (self.role is not None and self.role.leaving):
             batch = self._share(trainer, batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -263,6 +344,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
                 samples=float(window.samples),
                 weight=float(len(window.rounds)) * window.nominal,
                 view=window.view,
+                leaving=self._flag is not None and self._flag.received != 0,
             )
             committed = self.replicas.commit() and reduced is not None
             if committed and reduced is not None:
@@ -278,8 +360,24 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         unflatten_into(grads, reduced.flats)
         assert self._data is not None
         self._data.commit(reduced.contributed)
+        view = self._window.view
+        leader = view.participant == 0
+        if not leader:
+            self._leader_since = None
+        elif self._leader_since is None or view.healed:
+            self._leader_since = int(trainer.global_step)
+        self.role = ReplicaRole(
+            leader=leader,
+            participants=view.participants,
+            leader_since=self._leader_since,
+            leaving=reduced.leaving,
+            everyone_leaving=reduced.groups_leaving >= view.participants,
+            signum=self._flag.received if self._flag is not None and self._flag.received else 15,
+        )
         self._window = None
         self._set_epoch_length(trainer)
+        if self._data.rounds_left() == 0:  # the queue is empty: the epoch's last batch
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
         return self.precision_plugin.optimizer_step(
             optimizer, model=model or self.lightning_module, closure=lambda: loss, **kwargs
         )
@@ -388,7 +486,6 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         assert self._live is not None
         self._live.apply(state)
         self._window = None
-
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:

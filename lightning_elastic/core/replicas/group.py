@@ -138,11 +138,14 @@ class StepView:
 @dataclasses.dataclass(frozen=True)
 class Reduced:
     """A step's reduction: the gradient sum divided by the samples that contributed, the
-    slots that contributed, and the number of contributing samples."""
+    slots that contributed, the number of contributing samples, whether this group asked to
+    leave (any of its processes) and how many groups did."""
 
     flats: list[torch.Tensor]
     contributed: list[bool]
     samples: float
+    leaving: bool = False
+    groups_leaving: int = 0
 
 
 @dataclasses.dataclass
@@ -278,34 +281,52 @@ class ReplicaGroup:
         return view
 
     def reduce(
-        self, grads: Sequence[torch.Tensor], *, samples: float, weight: float, view: StepView
+        self,
+        grads: Sequence[torch.Tensor],
+        *,
+        samples: float,
+        weight: float,
+        view: StepView,
+        leaving: bool = False,
     ) -> Reduced | None:
         """Sum ``grads`` times ``weight`` over every process of every participating group and
         divide by the samples that contributed (each process trained ``samples``); ``None``
         when the step failed (a peer is gone). With ``grads`` the gradient of the mean loss
         over the process's batch, ``weight = samples`` makes the result the gradient of the
-        mean over every sample of the step, however unevenly they were split."""
+        mean over every sample of the step, however unevenly they were split. ``leaving``:
+        this process was asked to leave (a drain signal); the group leaves after this step if
+        any of its processes was, and every group learns how many groups leave."""
         slots = view.slots
-        header = torch.zeros(slots + 1, dtype=torch.float64)
+        header = torch.zeros(slots + 3, dtype=torch.float64)
         if view.slot is not None and samples > 0:
             header[0] = samples
-            header[1 + view.slot] = 1.0
+            header[3 + view.slot] = 1.0
+        header[1] = 1.0 if leaving else 0.0
         flats = _flatten_by_dtype(grads, weight if view.slot is not None else 0.0)
         tensors = [header, *flats]
         if self._intra is not None and self.group_size > 1:
             for tensor in tensors:  # the group's own process group: a failure ends the group
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._intra)
+        group_leaving = bool(header[1] > 0)
+        header[1] = 0.0
+        header[2] = 1.0 if group_leaving else 0.0  # every rank r of a group: once per r's ring
         works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in tensors]
         for work in works:
             work.wait()
         if self.manager.errored() is not None:
             return None
         total = float(header[0])
-        contributed = [bool(v > 0.5) for v in header[1:].tolist()]
+        contributed = [bool(v > 0.5) for v in header[3:].tolist()]
         if total > 0:
             for flat in flats:
                 flat.div_(total)
-        return Reduced(flats=flats, contributed=contributed, samples=total)
+        return Reduced(
+            flats=flats,
+            contributed=contributed,
+            samples=total,
+            leaving=group_leaving,
+            groups_leaving=round(float(header[2])),
+        )
 
     def commit(self) -> bool:
         """torchft's commit vote for this step (every process of the group calls it)."""
