@@ -177,6 +177,8 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         self._snapshot: tuple[dict[str, Any], MetricSnapshot] | None = None
         self._live: LiveState | None = None
         self.view: Any = None  # the quorum of the step being trained (or the last one)
+        # the sample indices this process trained in the last committed step (no padding)
+        self.committed_samples: list[int] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -361,6 +363,12 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         assert self._data is not None
         self._data.commit(reduced.contributed)
         view = self._window.view
+        self.committed_samples = [
+            i
+            for mine, f in zip(self._window.mine, self._window.factors, strict=True)
+            if f > 0
+            for i in mine
+        ]
         leader = view.participant == 0
         if not leader:
             self._leader_since = None
