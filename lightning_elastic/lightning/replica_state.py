@@ -19,15 +19,18 @@ from typing import Any
 
 import torch
 
+from lightning_elastic.core.elastic import rng
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning._compat import (
     loop_progress,
     metric_update_count,
+    restore_results,
     set_loop_progress,
     set_metric_update_count,
+    snapshot_results,
 )
 
-__all__ = ["LiveState", "MetricSnapshot"]
+__all__ = ["LiveState", "StepSnapshot"]
 
 
 class LiveState:
@@ -107,17 +110,20 @@ class LiveState:
         loop.automatic_optimization.optim_progress.optimizer.step.increment_ready()
 
 
-class MetricSnapshot:
-    """The torchmetrics states of ``module`` at a step's start, to roll a failed attempt back
-    (tensors cloned, list states copied shallowly: their items are never changed in place)."""
+class StepSnapshot:
+    """What a step attempt changes besides the gradients, taken at the step's start to roll a
+    failed attempt back before it is redone: the logged results (``self.log``), torchmetrics
+    states (tensors cloned, list states copied shallowly: their items are never changed in
+    place), the module's buffers (BatchNorm running statistics move in every forward) and the
+    RNG streams (a redone step draws the same dropout masks). A redo under the same quorum is
+    then the very computation a step without failure would have done."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover - torchmetrics is a dependency
-            self._saved: list[tuple[Any, dict[str, Any], int]] = []
-            return
-        self._saved = [
+    def __init__(self, module: torch.nn.Module, results: Any) -> None:
+        from torchmetrics import Metric
+
+        self.results = results
+        self.logged = snapshot_results(results)
+        self.metrics = [
             (
                 metric,
                 {name: _shallow(value) for name, value in metric.metric_state.items()},
@@ -126,13 +132,20 @@ class MetricSnapshot:
             for metric in module.modules()
             if isinstance(metric, Metric)
         ]
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        self.rng = rng.capture()
 
     def restore(self) -> None:
-        """Put every metric back as it was at the snapshot."""
-        for metric, states, count in self._saved:
+        """Put everything back as it was at the step's start."""
+        restore_results(self.results, self.logged)
+        for metric, states, count in self.metrics:
             for name, value in states.items():
                 setattr(metric, name, _shallow(value))
             set_metric_update_count(metric, count)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        rng.restore(self.rng)
 
 
 def _writer(trainer: Any) -> Any:

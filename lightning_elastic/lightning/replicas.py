@@ -49,19 +49,14 @@ from lightning_elastic.core.options import check_choice, check_signals
 from lightning_elastic.core.policy.triggers import SignalFlag
 from lightning_elastic.core.replicas.group import ReplicaGroup, ReplicaOptions, unflatten_into
 from lightning_elastic.errors import ConfigError, ReplicaGroupError
-from lightning_elastic.lightning._compat import (
-    restore_results,
-    set_closure_batch,
-    snapshot_results,
-    training_results,
-)
+from lightning_elastic.lightning._compat import set_closure_batch, training_results
 from lightning_elastic.lightning.replica_data import (
     ReplicaBatchSampler,
     ReplicaData,
     Window,
     make_replica_loader,
 )
-from lightning_elastic.lightning.replica_state import LiveState, MetricSnapshot
+from lightning_elastic.lightning.replica_state import LiveState, StepSnapshot
 from lightning_elastic.lightning.strategy import ElasticCheckpointing
 
 __all__ = ["ElasticFTStrategy", "ReplicaRole"]
@@ -174,7 +169,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         self._sampler: ReplicaBatchSampler | None = None
         self._window: Window | None = None
         self._factor = 1.0
-        self._snapshot: tuple[dict[str, Any], MetricSnapshot] | None = None
+        self._snapshot: StepSnapshot | None = None
         self._live: LiveState | None = None
         self.view: Any = None  # the quorum of the step being trained (or the last one)
         # the sample indices this process trained in the last committed step (no padding)
@@ -434,7 +429,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         self.view = view
         module = self.lightning_module
         assert module is not None
-        self._snapshot = (snapshot_results(training_results(trainer)), MetricSnapshot(module))
+        self._snapshot = StepSnapshot(module, training_results(trainer))
 
     def _redo(self, trainer: Any, closure: Any) -> Any:
         """The step failed: roll its logging back, join the new quorum and run the window's
@@ -442,9 +437,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         assert self.replicas is not None and self._data is not None and self._window is not None
         length = len(self._window.rounds)
         if self._snapshot is not None:
-            results, metrics = self._snapshot
-            restore_results(training_results(trainer), results)
-            metrics.restore()
+            self._snapshot.restore()
         module = self.lightning_module
         assert module is not None
         module.zero_grad(set_to_none=True)
