@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> None:
 
     if args.min_replica_groups < 1:
         raise ConfigError(f"--min-replica-groups must be >= 1, got {args.min_replica_groups}")
-    options = {
+    options: dict[str, Any] = {
         "bind": _check_bind(args.bind),
         "min_replicas": int(args.min_replica_groups),
         "heartbeat_timeout_ms": _milliseconds(args.heartbeat_timeout, "--heartbeat-timeout"),

@@ -262,7 +262,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         super().on_train_start()
         if self.replicas is None:
             return
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        trainer = self.lightning_module.trainer
         state = {"step": int(trainer.global_step), "batches_committed": 0}
         if self._pending_checkpoint is not None:
             state.update(self._pending_checkpoint.get("manager") or {})
@@ -278,7 +278,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         (the checkpoint callbacks' ``on_train_batch_start`` ran first)."""
         role = self.role
         if self.replicas is not None and role is not None and role.leaving:
-            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+            trainer = self.lightning_module.trainer
             code = 128 + (role.signum or 15)
             log.warning(
                 "replica group %r leaves after step %d (a drain signal); the others go on",
