@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
+import socket
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -171,6 +171,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         self._factor = 1.0
         self._snapshot: StepSnapshot | None = None
         self._live: LiveState | None = None
+        self._store: Any = None  # the Managers' store, hosted by group rank 0
         self.view: Any = None  # the quorum of the step being trained (or the last one)
         # the sample indices this process trained in the last committed step (no padding)
         self.committed_samples: list[int] = []
@@ -198,13 +199,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
                 "lost group makes fail is redone, which needs Lightning's closure"
             )
         self._live = LiveState(self, trainer)
-        store_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store_port = int(os.environ.get("MASTER_PORT", "0") or 0)
-        if not store_port:
-            raise ConfigError(
-                "strategy='elastic_ft' needs the group's TCP store (MASTER_ADDR/MASTER_PORT): "
-                "start each group with torchrun or `lightning-elastic run`"
-            )
+        store_addr, store_port = self._manager_store()
         self.replicas = ReplicaGroup(
             self.replica_options,
             get_state=self._live.capture,
@@ -222,6 +217,23 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             self.world_size,
             self.replica_options.resolved_lighthouse(),
         )
+
+    def _manager_store(self) -> tuple[str, int]:
+        """A TCP store of the group's own for torchft's Managers, new with every start of the
+        group (group rank 0 hosts it): torchft keeps unprefixed keys (the Manager's address)
+        in the store it is given, and a restarted group would read the dead Manager's from
+        torchrun's, which outlives the workers."""
+        from torch.distributed import TCPStore
+
+        address: list[Any] = [None]
+        if self.global_rank == 0:
+            self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+            host = "127.0.0.1" if self.world_size == 1 else socket.gethostname()
+            address = [(host, int(self._store.port))]
+        if self.world_size > 1:
+            dist.broadcast_object_list(address, src=0)
+        host, port = address[0]
+        return str(host), int(port)
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training dataloader draws its samples from the queue every group shares."""

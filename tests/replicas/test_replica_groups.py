@@ -121,7 +121,7 @@ def test_two_process_groups_lose_a_process_and_rejoin_through_torchrun(tmp_path:
     try:
         a = Group(tmp_path, lighthouse, "a", nproc=2, **common)
         b = Group(tmp_path, lighthouse, "b", nproc=2, DIE_AT_STEP=8, **common)
-        wait_until(lambda: b.steps() >= 2, 240, "a and b in step", a, b)
+        wait_until(lambda: b.steps() >= 2 and a.steps() >= 2, 240, "a and b in step", a, b)
         a_pids = set(a.pids())
         wait_until(lambda: len(b.pids()) > 2 and b.steps() > 8, 240, "b restarted", a, b)
         wait_until(lambda: b.steps() > 12, 120, "b trains again", a, b)
