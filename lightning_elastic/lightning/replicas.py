@@ -223,7 +223,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         group (group rank 0 hosts it): torchft keeps unprefixed keys (the Manager's address)
         in the store it is given, and a restarted group would read the dead Manager's from
         torchrun's, which outlives the workers."""
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         address: list[Any] = [None]
         if self.global_rank == 0:

@@ -139,7 +139,7 @@ class ElasticCheckpointing:
                 store=attempt_store(),
                 device_id=device if device.type != "cpu" else None,
             )
-        super().setup_distributed()  # type: ignore[misc]  (returns early: initialized)
+        super().setup_distributed()  # type: ignore[misc]
 
     def setup(self, trainer: Any) -> None:
         """Set the strategy up, with our session knowing the global batch size."""
@@ -359,7 +359,7 @@ def attempt_store() -> Any:
     """A client of torchrun's agent store whose keys live under this attempt's prefix
     (``TORCHELASTIC_RESTART_COUNT``, and the launcher's worker generation when
     ``lightning-elastic run`` started the workers)."""
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     generation = os.environ.get("LIGHTNING_ELASTIC_WORKER_GENERATION", "0")
