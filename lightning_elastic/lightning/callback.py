@@ -240,6 +240,7 @@ class DistributedCheckpoint(Checkpoint):
         self.exit_on_signal = check_bool(exit_on_signal, "exit_on_signal")
         self._leading = False  # elastic_ft: this group wrote the job's last checkpoint
         self._led_since: int | None = None
+        self._replica_seen = 0  # quorum events of the strategy already reported
         self.compression = check_choice(compression, "compression", (None, "zstd"))
         self.trusted = check_bool(trusted, "trusted")
 
@@ -477,6 +478,12 @@ class DistributedCheckpoint(Checkpoint):
             self._schedule.decide(step, busy=busy)
             return
         monitor.step_end(step=step, writing=busy)
+        replicas = getattr(trainer.strategy, "replicas", None)
+        if replicas is not None and _replica_role(trainer) is not _NOT_REPLICAS:
+            events, self._replica_seen = replicas.events[self._replica_seen :], len(replicas.events)
+            role = _replica_role(trainer)
+            participants = 1 if role is None else role.participants
+            monitor.replica_events(events, participants, replicas.name)
         decision = self._schedule.decide(step, busy=busy, shared=monitor.shared(step))
         monitor.after_agreement(step, decision.shared, trainer.loggers)
         if self._first_step:
