@@ -1,0 +1,242 @@
+"""What Lightning reads from earlier steps and validations survives a resume:
+``trainer.callback_metrics`` (and the logged and progress-bar values), the epoch-level
+``self.log`` accumulators of the interrupted epoch, and the ``ReduceLROnPlateau`` steps that
+read ``val_loss`` between validations.
+
+Validation runs every 5 global steps, epochs have 8 batches, checkpoints are taken every 5
+steps and at every epoch's end. Every model carries several plateau schedulers on its one
+optimizer (``logged_workers.STRICT`` / ``LENIENT``: ``interval="step"`` with frequencies 1, 4,
+5, 6 and 8, which Lightning counts by the batch index in the epoch, and ``interval="epoch"``
+with frequencies 1 and 2); each training batch records the loss, the learning rate and every
+scheduler's state, and a callback records what ``on_train_batch_end`` sees. A resume must
+reproduce all of it bitwise from the checkpoint's step, and every epoch value after it.
+
+The grid runs in this process on one device (the world size plays no part in it; a "kill"
+is a resume from an uninterrupted run's checkpoint); the issue's scenario (2 processes,
+SIGKILL after step 13) and a world-size change share one module-scoped set of launches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_elastic.lightning import logged
+from lightning_elastic.testing.spawn import run_distributed
+from tests.lightning import logged_workers
+from tests.lightning.logged_workers import LENIENT, STRICT, plateau_name
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_STEPS = 24  # three epochs of 8 batches
+GRID_STEPS = 17  # in one process: past every grid cell's first read and the end of epoch 1
+
+
+def checkpoint(root: Path, step: int) -> str:
+    return str(root / "ckpts" / f"step_{step:09d}")
+
+
+def assert_continues_bitwise(
+    reference: dict[str, Any],
+    resumed: dict[str, Any],
+    start: int,
+    plateaus: tuple[tuple[str, int, bool], ...],
+) -> None:
+    """From ``start`` on: the same batches, losses, learning rates and plateau states, the
+    same metrics shown to callbacks, loggers and the progress bar at every batch end, and the
+    same values of every epoch that ends after the resume."""
+    expected = [r for r in reference["records"] if r[0] >= start]
+    got = resumed["records"]
+    assert [r[:2] for r in got] == [r[:2] for r in expected], "different batches after resume"
+    for want, have in zip(expected, got, strict=True):
+        drifted = [
+            plateau_name(*plateaus[i])
+            for i, (a, b) in enumerate(zip(want[4], have[4], strict=True))
+            if a != b
+        ]
+        assert not drifted, f"step {want[0]}: plateau scheduler(s) {drifted} drifted"
+        assert want == have, f"step {want[0]}: loss or learning rate drifted"
+    seen = [s for s in reference["seen"] if s[0] > start]
+    assert seen, "nothing trained after the resume"
+    assert "val_loss" in resumed["seen"][0][1], "callback_metrics lost the last validation"
+    for want, have in zip(seen, resumed["seen"], strict=True):
+        assert have == want, f"step {want[0]}: callback/logged/progress-bar metrics differ"
+    epochs = [e for e in reference["epoch_values"] if e[0] >= start // 8]
+    assert resumed["epoch_values"] == epochs
+    assert set(epochs[0][1]) >= {"train_loss_epoch", "id_total", "id_mean", "train_mae"}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """One uninterrupted single-device run per set of plateau schedulers."""
+    out = {}
+    for name, plateaus in (("strict", STRICT), ("lenient", LENIENT)):
+        root = tmp_path_factory.mktemp(f"ref-{name}")
+        out[name] = root, logged_workers.fit(str(root), GRID_STEPS, plateaus=plateaus, devices=1)
+    return out
+
+
+# (plateaus, resume step): what each resume reads before the next validation (at the next
+# multiple of 5) or epoch end (at the next multiple of 8)
+GRID = [
+    pytest.param("strict", 10, id="strict-from-10-step5-at-13-step6-at-14"),
+    pytest.param("strict", 15, id="strict-from-15-step8-and-epoch1-at-16"),
+    pytest.param("lenient", 8, id="lenient-from-epoch-end-8-step1-at-9"),
+    pytest.param("lenient", 10, id="lenient-from-10-step1-at-11-step4-at-12"),
+]
+
+
+@pytest.mark.parametrize(("plateaus", "start"), GRID)
+def test_a_resume_between_validations_continues_plateaus_and_logged_values_bitwise(
+    tmp_path, references, plateaus, start
+) -> None:
+    ref_root, reference = references[plateaus]
+    sets = {"strict": STRICT, "lenient": LENIENT}
+    resumed = logged_workers.fit(
+        str(tmp_path),
+        GRID_STEPS,
+        plateaus=sets[plateaus],
+        devices=1,
+        ckpt_path=checkpoint(ref_root, start),
+    )
+    assert resumed["resumed_from"] == checkpoint(ref_root, start)
+    assert_continues_bitwise(reference, resumed, start, sets[plateaus])
+
+
+# ---------------------------------------------------------------- 2 processes
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, Any]:
+    """The issue's scenario on 2 processes: uninterrupted runs; a strict run SIGKILLed after
+    step 13 (its newest checkpoint is step 10) and relaunched; a lenient run resumed from the
+    uninterrupted one's checkpoint of step 10 (three launches in all)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    lenient = {"plateaus": LENIENT}
+    runs = [
+        (str(root / "strict-ref"), MAX_STEPS, {"plateaus": STRICT}),
+        (str(root / "lenient-ref"), MAX_STEPS, lenient),
+        (
+            str(root / "lenient"),
+            MAX_STEPS,
+            {**lenient, "ckpt_path": checkpoint(root / "lenient-ref", 10)},
+        ),
+    ]
+    first = run_distributed(logged_workers.fits, 2, runs, timeout=180)
+    strict = str(root / "strict")
+    run_distributed(logged_workers.fit, 2, strict, MAX_STEPS, kill_at=13, may_die={0, 1})
+    resumed = run_distributed(logged_workers.fit, 2, strict, MAX_STEPS)
+    return {
+        "root": root,
+        "strict": ([r[0] for r in first], resumed),
+        "lenient": ([r[1] for r in first], [r[2] for r in first]),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plateaus", ["strict", "lenient"])
+def test_two_ranks_stopped_after_step_13_resume_their_own_logged_values_bitwise(
+    two_ranks, plateaus
+) -> None:
+    references, resumed = two_ranks[plateaus]
+    sets = {"strict": STRICT, "lenient": LENIENT}
+    for rank in range(2):
+        assert resumed[rank]["resumed_from"].endswith("step_000000010")
+        assert_continues_bitwise(references[rank], resumed[rank], 10, sets[plateaus])
+    # a value logged without sync_dist differs per rank: each rank got its own back
+    first = [resumed[rank]["seen"][0][1] for rank in range(2)]
+    assert first[0]["rank_ids_epoch"] != first[1]["rank_ids_epoch"]
+
+
+@pytest.mark.slow
+def test_a_world_size_change_folds_the_epoch_accumulators_of_every_saved_rank(
+    tmp_path, two_ranks
+) -> None:
+    # the 2-rank run's checkpoint of step 10 (mid-epoch 1), resumed by one process: the
+    # epoch's remaining samples go to it, and its epoch values (logged with sync_dist, of
+    # sample ids) cover the whole epoch, as the 2 ranks' did
+    references, _ = two_ranks["strict"]
+    source = checkpoint(two_ranks["root"] / "strict-ref", 10)
+    # 48 samples of epoch 1 are left: 12 batches of 4 at one rank, to step 22
+    resumed = logged_workers.fit(
+        str(tmp_path), 22, plateaus=STRICT, devices=1, n=64, ckpt_path=source
+    )
+    assert resumed["resumed_from"] == source
+    assert [e for e, _ in resumed["epoch_values"]] == [1]
+    values = resumed["epoch_values"][0][1]
+    expected = next(v for e, v in references[0]["epoch_values"] if e == 1)
+    for name in ("id_total", "id_top", "id_low", "id_mean"):
+        assert values[name] == expected[name], name
+    assert values["id_total"] == sum(range(64))
+    # every rank shows rank 0's last validation (the strict plateau at step 13 read it)
+    at_11 = next(s for s in references[0]["seen"] if s[0] == 11)
+    assert resumed["seen"][0][0] == 11
+    assert resumed["seen"][0][1]["val_loss"] == at_11[1]["val_loss"]
+
+
+# ---------------------------------------------------------------- folding, in one process
+
+
+def _capture(entries: list[dict[str, Any]], callback: dict[str, float]) -> dict[str, Any]:
+    return {
+        "version": logged.FORMAT_VERSION,
+        "callback_metrics": {k: torch.tensor(v) for k, v in callback.items()},
+        "logged_metrics": {},
+        "progress_bar_metrics": {},
+        "first_loop_iter": False,
+        "current_fx": "training_step",
+        "distributed": True,
+        "results": entries,
+    }
+
+
+def _entry(name: str, reduce_fx: str, state: dict[str, float], count: int = 2) -> dict:
+    meta = {"name": name, "reduce_fx": reduce_fx, "on_epoch": True, "on_step": False}
+    return {
+        "key": f"training_step.{name}",
+        "is_tensor": True,
+        "meta": meta,
+        "state": {k: torch.tensor(v) for k, v in state.items()},
+        "forward_cache": None,
+        "computed": torch.tensor(0.0),
+        "has_reset": False,
+        "update_count": count,
+    }
+
+
+def test_folding_adds_sums_and_counts_and_takes_extremes_into_rank_0_only() -> None:
+    rank0 = _capture(
+        [
+            _entry("loss", "mean", {"value": 6.0, "cumulated_batch_size": 8}),
+            _entry("total", "sum", {"value": 10.0}),
+            _entry("top", "max", {"value": 7.0}),
+        ],
+        {"val_loss": 0.5},
+    )
+    rank1 = _capture(
+        [
+            _entry("top", "max", {"value": 9.0}),
+            _entry("loss", "mean", {"value": 2.0, "cumulated_batch_size": 8}),
+            _entry("total", "sum", {"value": 5.0}),
+            _entry("low", "min", {"value": 3.0}),  # only rank 1 logged it
+        ],
+        {"val_loss": 0.7},
+    )
+    first, others = logged.fold([rank0, rank1])
+    folded = {e["key"]: e for e in first["results"]}
+    assert list(folded) == [f"training_step.{n}" for n in ("loss", "total", "top", "low")]
+    assert float(folded["training_step.loss"]["state"]["value"]) == 8.0
+    assert int(folded["training_step.loss"]["state"]["cumulated_batch_size"]) == 16
+    assert float(folded["training_step.total"]["state"]["value"]) == 15.0
+    assert float(folded["training_step.top"]["state"]["value"]) == 9.0
+    assert float(folded["training_step.low"]["state"]["value"]) == 3.0
+    assert folded["training_step.loss"]["update_count"] == 4
+    assert all(e["computed"] is None for e in folded.values())
+    # the other ranks hold the same entries, empty (an epoch-end sync finds them everywhere)
+    assert [e["key"] for e in others["results"]] == list(folded)
+    assert all(e["state"] == {} and e["update_count"] == 0 for e in others["results"])
+    # every rank shows saved rank 0's last values
+    assert first["callback_metrics"] == others["callback_metrics"] == rank0["callback_metrics"]
