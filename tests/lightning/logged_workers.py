@@ -15,10 +15,22 @@ from torch.utils.data import DataLoader
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy
 from tests.lightning.models import IdDataset, TinyModule, make_trainer
 
-# (interval, frequency, strict): every plateau scheduler of the model, all on its one
-# optimizer; with validation every 5 global steps and 8 batches per epoch
-STRICT = (("step", 5, True), ("step", 6, True), ("step", 8, True), ("epoch", 1, True))
-LENIENT = (("step", 1, False), ("step", 4, False), ("step", 5, False), ("epoch", 2, False))
+# (interval, frequency, strict): the plateau schedulers of the model, all on its one
+# optimizer, with validation every 5 global steps and 8 batches per epoch. Lightning steps an
+# interval="step" one at (batch index in the epoch + 1) % frequency == 0: 5 divides the
+# validation interval, not the epoch; 8 and 4 the epoch, not the validation interval; 6
+# neither; 1 both. strict=True ones first read val_loss after the first validation (a strict
+# one stepped before it raises in any run); strict=False ones also step before it (skipped)
+PLATEAUS = (
+    ("step", 5, True),
+    ("step", 6, True),
+    ("step", 8, True),
+    ("epoch", 1, True),
+    ("step", 1, False),
+    ("step", 4, False),
+    ("step", 5, False),
+    ("epoch", 2, False),
+)
 
 
 def plateau_name(interval: str, frequency: int, strict: bool) -> str:
@@ -41,10 +53,12 @@ class LoggingModule(TinyModule):
         loss = super().training_step(batch, batch_idx)
         ids = batch[0].double()
         self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True, prog_bar=True)
-        self.log("id_total", ids.sum(), on_epoch=True, reduce_fx="sum", sync_dist=True)
-        self.log("id_top", ids.max(), on_epoch=True, reduce_fx="max", sync_dist=True)
-        self.log("id_low", ids.min(), on_epoch=True, reduce_fx="min", sync_dist=True)
-        self.log("id_mean", ids.mean(), on_epoch=True, sync_dist=True)
+        # epoch values only: synced at the epoch's end, not at every step
+        epoch = {"on_step": False, "on_epoch": True, "sync_dist": True}
+        self.log("id_total", ids.sum(), reduce_fx="sum", **epoch)
+        self.log("id_top", ids.max(), reduce_fx="max", **epoch)
+        self.log("id_low", ids.min(), reduce_fx="min", **epoch)
+        self.log("id_mean", ids.mean(), **epoch)
         self.log("rank_ids", ids.mean(), on_step=True, on_epoch=True)  # differs per rank
         self.log("train_mae", self.train_mae, on_step=False, on_epoch=True)
         if self.global_step < 3:  # logged early in the run only: kept, never logged again
@@ -120,7 +134,7 @@ def fit(
     root: str,
     max_steps: int,
     *,
-    plateaus: tuple[tuple[str, int, bool], ...] = STRICT,
+    plateaus: tuple[tuple[str, int, bool], ...] = PLATEAUS,
     kill_at: int = -1,
     ckpt_path: str | None = None,
     devices: int | None = None,

@@ -4,16 +4,18 @@
 read ``val_loss`` between validations.
 
 Validation runs every 5 global steps, epochs have 8 batches, checkpoints are taken every 5
-steps and at every epoch's end. Every model carries several plateau schedulers on its one
-optimizer (``logged_workers.STRICT`` / ``LENIENT``: ``interval="step"`` with frequencies 1, 4,
-5, 6 and 8, which Lightning counts by the batch index in the epoch, and ``interval="epoch"``
-with frequencies 1 and 2); each training batch records the loss, the learning rate and every
-scheduler's state, and a callback records what ``on_train_batch_end`` sees. A resume must
-reproduce all of it bitwise from the checkpoint's step, and every epoch value after it.
+steps and at every epoch's end. The model carries the whole grid of plateau schedulers on its
+one optimizer (``logged_workers.PLATEAUS``: ``interval="step"`` with frequencies 1, 4, 5, 6
+and 8, ``interval="epoch"`` with 1 and 2, ``strict=True`` and ``False``); each training batch
+records the loss, the learning rate and every scheduler's state, and a callback records what
+``on_train_batch_end`` sees in ``trainer.callback_metrics``, ``logged_metrics`` and
+``progress_bar_metrics``. A resume must reproduce all of it bitwise from the checkpoint's
+step, and the values of every epoch that ends after it.
 
-The grid runs in this process on one device (the world size plays no part in it; a "kill"
-is a resume from an uninterrupted run's checkpoint); the issue's scenario (2 processes,
-SIGKILL after step 13) and a world-size change share one module-scoped set of launches.
+The resume points run in this process on one device (the world size plays no part in them;
+a "kill" is a resume from an uninterrupted run's checkpoint); the issue's scenario (2
+processes, SIGKILL after step 13, relaunch) takes two launches, and a world-size change
+resumes their checkpoint in this process.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ import torch
 from lightning_elastic.lightning import logged
 from lightning_elastic.testing.spawn import run_distributed
 from tests.lightning import logged_workers
-from tests.lightning.logged_workers import LENIENT, STRICT, plateau_name
+from tests.lightning.logged_workers import PLATEAUS, plateau_name
 
 pytestmark = pytest.mark.timeout(300)
 
-MAX_STEPS = 24  # three epochs of 8 batches
-GRID_STEPS = 17  # in one process: past every grid cell's first read and the end of epoch 1
+MAX_STEPS = 17  # past every scheduler's first read after steps 8, 10 and 15, and epoch 1
 
 
 def checkpoint(root: Path, step: int) -> str:
@@ -40,10 +41,7 @@ def checkpoint(root: Path, step: int) -> str:
 
 
 def assert_continues_bitwise(
-    reference: dict[str, Any],
-    resumed: dict[str, Any],
-    start: int,
-    plateaus: tuple[tuple[str, int, bool], ...],
+    reference: dict[str, Any], resumed: dict[str, Any], start: int
 ) -> None:
     """From ``start`` on: the same batches, losses, learning rates and plateau states, the
     same metrics shown to callbacks, loggers and the progress bar at every batch end, and the
@@ -53,7 +51,7 @@ def assert_continues_bitwise(
     assert [r[:2] for r in got] == [r[:2] for r in expected], "different batches after resume"
     for want, have in zip(expected, got, strict=True):
         drifted = [
-            plateau_name(*plateaus[i])
+            plateau_name(*PLATEAUS[i])
             for i, (a, b) in enumerate(zip(want[4], have[4], strict=True))
             if a != b
         ]
@@ -70,40 +68,30 @@ def assert_continues_bitwise(
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """One uninterrupted single-device run per set of plateau schedulers."""
-    out = {}
-    for name, plateaus in (("strict", STRICT), ("lenient", LENIENT)):
-        root = tmp_path_factory.mktemp(f"ref-{name}")
-        out[name] = root, logged_workers.fit(str(root), GRID_STEPS, plateaus=plateaus, devices=1)
-    return out
+def reference(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """An uninterrupted single-device run."""
+    root = tmp_path_factory.mktemp("reference")
+    return root, logged_workers.fit(str(root), MAX_STEPS, devices=1)
 
 
-# (plateaus, resume step): what each resume reads before the next validation (at the next
-# multiple of 5) or epoch end (at the next multiple of 8)
-GRID = [
-    pytest.param("strict", 10, id="strict-from-10-step5-at-13-step6-at-14"),
-    pytest.param("strict", 15, id="strict-from-15-step8-and-epoch1-at-16"),
-    pytest.param("lenient", 8, id="lenient-from-epoch-end-8-step1-at-9"),
-    pytest.param("lenient", 10, id="lenient-from-10-step1-at-11-step4-at-12"),
-]
-
-
-@pytest.mark.parametrize(("plateaus", "start"), GRID)
+# what each resume point reads before the next validation (at the next multiple of 5) or
+# epoch end (at the next multiple of 8)
+@pytest.mark.parametrize(
+    "start",
+    [
+        pytest.param(8, id="epoch-end-8-step1-at-9"),
+        pytest.param(10, id="mid-epoch-10-step1-at-11-step4-at-12-step5-at-13-step6-at-14"),
+        pytest.param(15, id="mid-epoch-15-step8-epoch1-epoch2-at-16"),
+    ],
+)
 def test_a_resume_between_validations_continues_plateaus_and_logged_values_bitwise(
-    tmp_path, references, plateaus, start
+    tmp_path, reference, start
 ) -> None:
-    ref_root, reference = references[plateaus]
-    sets = {"strict": STRICT, "lenient": LENIENT}
-    resumed = logged_workers.fit(
-        str(tmp_path),
-        GRID_STEPS,
-        plateaus=sets[plateaus],
-        devices=1,
-        ckpt_path=checkpoint(ref_root, start),
-    )
-    assert resumed["resumed_from"] == checkpoint(ref_root, start)
-    assert_continues_bitwise(reference, resumed, start, sets[plateaus])
+    ref_root, expected = reference
+    source = checkpoint(ref_root, start)
+    resumed = logged_workers.fit(str(tmp_path), MAX_STEPS, devices=1, ckpt_path=source)
+    assert resumed["resumed_from"] == source
+    assert_continues_bitwise(expected, resumed, start)
 
 
 # ---------------------------------------------------------------- 2 processes
@@ -111,41 +99,28 @@ def test_a_resume_between_validations_continues_plateaus_and_logged_values_bitwi
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, Any]:
-    """The issue's scenario on 2 processes: uninterrupted runs; a strict run SIGKILLed after
-    step 13 (its newest checkpoint is step 10) and relaunched; a lenient run resumed from the
-    uninterrupted one's checkpoint of step 10 (three launches in all)."""
+    """The issue's scenario on 2 processes: SIGKILLed after step 13 (the newest checkpoint
+    is step 10), then relaunched; the relaunch also runs the uninterrupted reference."""
     root = tmp_path_factory.mktemp("two-ranks")
-    lenient = {"plateaus": LENIENT}
-    runs = [
-        (str(root / "strict-ref"), MAX_STEPS, {"plateaus": STRICT}),
-        (str(root / "lenient-ref"), MAX_STEPS, lenient),
-        (
-            str(root / "lenient"),
-            MAX_STEPS,
-            {**lenient, "ckpt_path": checkpoint(root / "lenient-ref", 10)},
-        ),
-    ]
-    first = run_distributed(logged_workers.fits, 2, runs, timeout=180)
-    strict = str(root / "strict")
-    run_distributed(logged_workers.fit, 2, strict, MAX_STEPS, kill_at=13, may_die={0, 1})
-    resumed = run_distributed(logged_workers.fit, 2, strict, MAX_STEPS)
+    run = str(root / "run")
+    run_distributed(logged_workers.fit, 2, run, MAX_STEPS, kill_at=13, may_die={0, 1})
+    runs = [(run, MAX_STEPS, {}), (str(root / "reference"), MAX_STEPS, {})]
+    done = run_distributed(logged_workers.fits, 2, runs, timeout=180)
     return {
         "root": root,
-        "strict": ([r[0] for r in first], resumed),
-        "lenient": ([r[1] for r in first], [r[2] for r in first]),
+        "resumed": [rank[0] for rank in done],
+        "reference": [rank[1] for rank in done],
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plateaus", ["strict", "lenient"])
-def test_two_ranks_stopped_after_step_13_resume_their_own_logged_values_bitwise(
-    two_ranks, plateaus
+def test_two_ranks_killed_after_step_13_resume_their_own_logged_values_bitwise(
+    two_ranks,
 ) -> None:
-    references, resumed = two_ranks[plateaus]
-    sets = {"strict": STRICT, "lenient": LENIENT}
+    resumed, reference = two_ranks["resumed"], two_ranks["reference"]
     for rank in range(2):
-        assert resumed[rank]["resumed_from"].endswith("step_000000010")
-        assert_continues_bitwise(references[rank], resumed[rank], 10, sets[plateaus])
+        assert resumed[rank]["resumed_from"].endswith("run/ckpts/step_000000010")
+        assert_continues_bitwise(reference[rank], resumed[rank], 10)
     # a value logged without sync_dist differs per rank: each rank got its own back
     first = [resumed[rank]["seen"][0][1] for rank in range(2)]
     assert first[0]["rank_ids_epoch"] != first[1]["rank_ids_epoch"]
@@ -158,21 +133,19 @@ def test_a_world_size_change_folds_the_epoch_accumulators_of_every_saved_rank(
     # the 2-rank run's checkpoint of step 10 (mid-epoch 1), resumed by one process: the
     # epoch's remaining samples go to it, and its epoch values (logged with sync_dist, of
     # sample ids) cover the whole epoch, as the 2 ranks' did
-    references, _ = two_ranks["strict"]
-    source = checkpoint(two_ranks["root"] / "strict-ref", 10)
+    reference = two_ranks["reference"][0]
+    source = checkpoint(two_ranks["root"] / "reference", 10)
     # 48 samples of epoch 1 are left: 12 batches of 4 at one rank, to step 22
-    resumed = logged_workers.fit(
-        str(tmp_path), 22, plateaus=STRICT, devices=1, n=64, ckpt_path=source
-    )
+    resumed = logged_workers.fit(str(tmp_path), 22, devices=1, n=64, ckpt_path=source)
     assert resumed["resumed_from"] == source
     assert [e for e, _ in resumed["epoch_values"]] == [1]
     values = resumed["epoch_values"][0][1]
-    expected = next(v for e, v in references[0]["epoch_values"] if e == 1)
+    expected = next(v for e, v in reference["epoch_values"] if e == 1)
     for name in ("id_total", "id_top", "id_low", "id_mean"):
         assert values[name] == expected[name], name
     assert values["id_total"] == sum(range(64))
     # every rank shows rank 0's last validation (the strict plateau at step 13 read it)
-    at_11 = next(s for s in references[0]["seen"] if s[0] == 11)
+    at_11 = next(s for s in reference["seen"] if s[0] == 11)
     assert resumed["seen"][0][0] == 11
     assert resumed["seen"][0][1]["val_loss"] == at_11[1]["val_loss"]
 
