@@ -19,9 +19,12 @@ Saved per rank with every checkpoint (rank-local state, tensors and plain values
 * where the loop stands for ``self.log`` (first batch of an epoch or not, the last hook that
   logged), which decides whether the next ``self.log`` starts the epoch's values afresh.
 
-Put back by :func:`restore` right before the first resumed training batch, after which
-Lightning's skip of epoch-interval plateau steps in the resumed epoch is lifted (see
-:func:`~lightning_elastic.lightning._compat.finish_fit_loop_restart`).
+Put back by :func:`restore` right before the first resumed training batch (the point of a
+batch where :class:`~lightning_elastic.DistributedCheckpoint` saves), after which Lightning's
+skip of epoch-interval plateau steps in the resumed epoch is lifted (see
+:func:`~lightning_elastic.lightning._compat.finish_fit_loop_restart`). A capture taken
+outside an epoch's batches (an epoch-end hook, the end of a fit that stopped inside an epoch)
+gives back the last values only: Lightning closes and resets that epoch's accumulators there.
 
 At another world size (:func:`fold`), every rank gets rank 0's last values (a value logged
 without ``sync_dist`` differs per rank, and no rank of the new world is the old one's), and
