@@ -116,7 +116,7 @@ def restore(trainer: Any, saved: Any) -> bool:
         log=_to(saved.get("logged_metrics"), device),
         pbar=_to(saved.get("progress_bar_metrics"), device, scalars=True),
         first_loop_iter=bool(first) if inside else live["first_loop_iter"],
-        current_fx=saved.get("current_fx") if inside else live["current_fx"],
+        current_fx=_str_or_none(saved.get("current_fx")) if inside else live["current_fx"],
     )
     if not inside:
         # saved outside an epoch's batches (in an epoch-end hook, at the end of a fit):
@@ -202,7 +202,7 @@ def _rebuild_all(trainer: Any, saved: Mapping[str, Any], device: torch.device) -
                 # self.log would compare the sync arguments, which the checkpoint cannot
                 # tell here (a group; a sync_dist given where it did not sync): Lightning
                 # raises at the next self.log of a rebuilt entry that differs
-                skipped.append(str(meta["name"]))
+                skipped.append(_label(entry))
                 continue
             payload = dict(entry)
             payload["state"] = {k: _on(v, device) for k, v in entry["state"].items()}
@@ -214,19 +214,33 @@ def _rebuild_all(trainer: Any, saved: Mapping[str, Any], device: torch.device) -
                 payload["metric"] = modules[meta["metric_attribute"]]
             sync_dist = bool(meta["sync_dist"]) and distributed
             rebuilt[str(entry["key"])] = new_result_metric(trainer, payload, sync_dist=sync_dist)
-        except (KeyError, TypeError, ValueError) as exc:
-            skipped.append(f"{entry.get('key', '?') if isinstance(entry, Mapping) else '?'}")
+        except Exception as exc:  # a malformed entry (storage is not trusted): never a crash
+            skipped.append(_label(entry))
             log.debug("logged value not restored: %r", exc)
     if skipped:
+        names = ", ".join(repr(name) for name in sorted(set(skipped)))
         message = (
-            f"the epoch-level values of self.log({', '.join(sorted(set(skipped)))}) were not "
-            "restored (a sync_dist_group, a trainer that syncs where the saved one did not, "
-            "or a torchmetrics attribute the module no longer has): they cover the batches "
-            "after the resume only"
+            f"the epoch-level values self.log kept as {names} were not restored (a "
+            "sync_dist_group, a trainer that syncs where the saved one did not, a torchmetrics "
+            "attribute the module no longer has, or a malformed entry): they cover the "
+            "batches after the resume only"
         )
         log.warning(message)
         warnings.warn(message, stacklevel=2)
     return rebuilt
+
+
+def _label(entry: Any) -> str:
+    """How a saved entry is named in a warning: ``self.log``'s name, else its key."""
+    if not isinstance(entry, Mapping):
+        return "?"
+    meta = entry.get("meta")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return str(name if name is not None else entry.get("key", "?"))
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _tensors(values: Mapping[Any, Any]) -> dict[str, torch.Tensor]:

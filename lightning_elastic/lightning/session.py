@@ -381,7 +381,7 @@ class ElasticSession:
                 return None
             try:
                 return logged.fold([per_rank[rank] for rank in sorted(per_rank)])
-            except (KeyError, TypeError, ValueError) as exc:  # a malformed capture
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # malformed
                 log.warning("the saved logged metrics cannot be folded (%r): not restored", exc)
                 return None
 

@@ -213,3 +213,60 @@ def test_folding_adds_sums_and_counts_and_takes_extremes_into_rank_0_only() -> N
     assert all(e["state"] == {} and e["update_count"] == 0 for e in others["results"])
     # every rank shows saved rank 0's last values
     assert first["callback_metrics"] == others["callback_metrics"] == rank0["callback_metrics"]
+
+
+def test_a_hand_edited_capture_restores_what_it_can_and_warns(tmp_path) -> None:
+    """Storage is not trusted: an entry Lightning would refuse (``on_step`` and ``on_epoch``
+    both off) or that names nothing is left out with a warning, the rest comes back, and a
+    capture of an unknown version changes nothing."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    good = _entry("total", "sum", {"value": 5.0})
+    bad = _entry("bad", "sum", {"value": 1.0})
+    bad["meta"] = {**_full_meta("bad", "sum"), "on_epoch": False}
+    nameless = _entry("nameless", "sum", {"value": 1.0})
+    good["meta"] = _full_meta("total", "sum")
+    capture = _capture([good, bad, nameless], {"val_loss": 0.25})
+    seen: dict[str, Any] = {}
+
+    class Restore(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            assert not logged.restore(trainer, {**capture, "version": 99})
+            with pytest.warns(UserWarning, match="kept as 'bad', 'nameless' were not restored"):
+                assert logged.restore(trainer, capture)
+            results = trainer.fit_loop.epoch_loop._results
+            seen["keys"] = list(results)
+            seen["total"] = float(results["training_step.total"].value)
+            seen["val_loss"] = float(trainer.callback_metrics["val_loss"])
+
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Restore()],
+    )
+    trainer.fit(BoringModel())
+    assert seen == {"keys": ["training_step.total"], "total": 5.0, "val_loss": 0.25}
+
+
+def _full_meta(name: str, reduce_fx: str) -> dict[str, Any]:
+    return {
+        "fx": "training_step",
+        "name": name,
+        "prog_bar": False,
+        "logger": True,
+        "on_step": False,
+        "on_epoch": True,
+        "reduce_fx": reduce_fx,
+        "enable_graph": False,
+        "add_dataloader_idx": True,
+        "dataloader_idx": None,
+        "metric_attribute": None,
+        "sync_dist": False,
+        "rank_zero_only": False,
+        "sync_group": False,
+    }
