@@ -213,7 +213,10 @@ def _rebuild_all(trainer: Any, saved: Mapping[str, Any], device: torch.device) -
                     modules = dict(trainer.lightning_module.named_modules())
                 payload["metric"] = modules[meta["metric_attribute"]]
             sync_dist = bool(meta["sync_dist"]) and distributed
-            rebuilt[str(entry["key"])] = new_result_metric(trainer, payload, sync_dist=sync_dist)
+            metric = new_result_metric(trainer, payload, sync_dist=sync_dist)
+            if entry["is_tensor"]:  # initial states too: an epoch-end sync needs them there
+                metric = metric.to(device)
+            rebuilt[str(entry["key"])] = metric
         except Exception as exc:  # a malformed entry (storage is not trusted): never a crash
             skipped.append(_label(entry))
             log.debug("logged value not restored: %r", exc)
