@@ -37,7 +37,7 @@ from lightning_elastic.errors import (
     CheckpointNotFoundError,
     PerRankStateError,
 )
-from lightning_elastic.lightning._compat import dump_checkpoint
+from lightning_elastic.lightning._compat import dump_checkpoint, pending_loader_states
 from lightning_elastic.lightning.loader_states import LoaderStates
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_elastic.lightning.data import FollowsTheLoop
+    from lightning_elastic.lightning.litdata_loaders import LitDataFollower
 
 __all__ = ["ELASTIC_KEY", "ElasticSession", "ResumeCost", "is_our_strategy"]
 
@@ -115,6 +116,7 @@ class ElasticSession:
         # the run over (its lease); loading elsewhere or to evaluate never does
         self.writer: CheckpointEngine | None = None
         self.loader_states = LoaderStates()  # as of the last batch trained, for saves
+        self.litdata: LitDataFollower | None = None  # a resumed LitData training loader
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
@@ -428,9 +430,16 @@ class ElasticSession:
 
     def process_train_dataloader(self, dataloader: object) -> object:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
-        other dataloaders pass through."""
+        a LitData ``StreamingDataLoader`` keeps its own position, its epochs kept where the
+        loop counts them (:mod:`~lightning_elastic.lightning.litdata_loaders`); other
+        dataloaders pass through.
+
+        Raises:
+            DataShardingError: a LitData dataset was set up for another world size.
+        """
         from lightning.pytorch.trainer.states import RunningStage
 
+        from lightning_elastic.lightning import litdata_loaders as litdata
         from lightning_elastic.lightning.data import make_elastic
 
         trainer = self.trainer
@@ -441,11 +450,26 @@ class ElasticSession:
             "num_replicas": trainer.world_size,
             "rank": trainer.global_rank,
         }
-        dataloader, sampler = make_elastic(
+        rank, world = replicas["rank"], replicas["num_replicas"]
+        litdata.check_ranks(
             dataloader,
-            num_replicas=replicas["num_replicas"],
-            rank=replicas["rank"],
-            global_batch_size=self.global_batch_size,
+            rank=rank,
+            replicas=world,
+            all_agree=lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+        )
+        if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
+            self.adopt_sampler(None)
+            self.litdata = litdata.adopt(
+                dataloader,
+                trainer,
+                world=world,
+                states=pending_loader_states(trainer),
+                loop=litdata.LoopPosition.of(trainer),
+                global_batch_size=self.global_batch_size,
+            )
+            return dataloader
+        dataloader, sampler = make_elastic(
+            dataloader, num_replicas=world, rank=rank, global_batch_size=self.global_batch_size
         )
         self.adopt_sampler(sampler)
         return dataloader
