@@ -1,10 +1,15 @@
 """Rank functions for the LitData tests: ``TinyModule`` trained from a LitData
 ``StreamingDataset`` (written by ``litdata.optimize``) through its ``StreamingDataLoader``, with
-a journal of every trained sample and every epoch end."""
+a journal of every trained sample and every epoch end.
+
+An interruption is a crash inside the fit (every rank raises at the same step, once the
+checkpoint before it is committed), so that one launch can run several fits."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -17,8 +22,8 @@ from tests.elastic.journal import Journal
 from tests.elastic.workers import _Records
 from tests.lightning.models import TinyModule, make_trainer
 
-N = 200  # samples, in 10 chunks of 20
-CHUNK = 20
+N = 96  # samples, in 8 chunks of 12: 12 batches of 4 per epoch at 2 ranks, 8 at 3, 24 at 1
+CHUNK = 12
 
 
 def sample(i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -32,9 +37,21 @@ def write(directory: str | Path, n: int = N) -> str:
     """The dataset, written by ``litdata.optimize`` in chunks of ``CHUNK`` samples."""
     import litdata
 
-    litdata.optimize(
-        fn=sample, inputs=list(range(n)), output_dir=str(directory), chunk_size=CHUNK, num_workers=1
-    )
+    # optimize() sets the process's start method for good: put it back. Its one worker is
+    # forked (spawning one imports torch again: 20 s on a loaded CI machine)
+    method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        litdata.optimize(
+            fn=sample,
+            inputs=list(range(n)),
+            output_dir=str(directory),
+            chunk_size=CHUNK,
+            num_workers=1,
+            start_method="fork",
+            verbose=False,
+        )
+    finally:
+        multiprocessing.set_start_method(method, force=True)
     return str(directory)
 
 
@@ -44,27 +61,47 @@ def streaming_dataset(data: str, *, drop_last: bool | None, before_group: bool =
     set, ``GLOBAL_RANK`` is not)."""
     from litdata import StreamingDataset
 
-    if before_group:
-        with mock.patch("torch.distributed.is_initialized", return_value=False):
+    if before_group:  # (Lightning's own environment deletes WORLD_SIZE when a fit ends)
+        torchrun = {"WORLD_SIZE": str(torch.distributed.get_world_size())}
+        with (
+            mock.patch("torch.distributed.is_initialized", return_value=False),
+            mock.patch.dict(os.environ, torchrun),
+        ):
+            os.environ.pop("GLOBAL_RANK", None)
             return StreamingDataset(data, shuffle=True, seed=42, drop_last=drop_last)
     return StreamingDataset(data, shuffle=True, seed=42, drop_last=drop_last)
 
 
+class Crash(Exception):
+    """Raised by every rank at ``crash_at`` (the checkpoint before it committed)."""
+
+
 class LitDataModule(TinyModule):
     """``TinyModule`` reading from a ``StreamingDataLoader`` built in ``train_dataloader()``
-    (or over a dataset built before the process group, ``dataset``)."""
+    (over ``dataset`` when given: one built before the process group)."""
 
     def __init__(
-        self, data: str, workers: int, drop_last: bool | None, dataset: Any = None, **kw: Any
+        self,
+        data: str,
+        workers: int,
+        drop_last: bool | None,
+        dataset: Any = None,
+        crash_at: int = -1,
+        **kw: Any,
     ) -> None:
         super().__init__(**kw)
-        self.data = data
-        self.workers = workers
-        self.drop_last = drop_last
+        self.data, self.workers, self.drop_last = data, workers, drop_last
         self.dataset = dataset
+        self.crash_at = crash_at
         self.batches_this_epoch = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.crash_at:
+            checkpoint = next(
+                c for c in self.trainer.callbacks if isinstance(c, DistributedCheckpoint)
+            )
+            checkpoint.engine.wait()
+            raise Crash(f"crash at step {self.global_step}")
         self.batches_this_epoch += 1
         return super().training_step(batch, batch_idx)
 
@@ -75,12 +112,18 @@ class LitDataModule(TinyModule):
         from litdata import StreamingDataLoader
 
         dataset = self.dataset or streaming_dataset(self.data, drop_last=self.drop_last)
-        # spawn: see tests/lightning/streaming_workers.py
+        context = None
+        if self.workers:
+            # forkserver, with torch and LitData loaded once per rank: a worker started by
+            # spawn imports them again (seconds each, every epoch), and one forked from a rank
+            # can hang in os.fork() (see tests/lightning/streaming_workers.py)
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["torch", "litdata", __name__])
         return StreamingDataLoader(
             dataset,
             batch_size=self.hparams.batch_size,
             num_workers=self.workers,
-            multiprocessing_context="spawn" if self.workers else None,
+            multiprocessing_context=context,
         )
 
 
@@ -103,21 +146,24 @@ def fit(
     data: str,
     *,
     max_epochs: int,
-    kill_at: int = -1,
+    crash_at: int = -1,
     every: int = 3,
     workers: int = 0,
     drop_last: bool | None = True,
     before_group: bool = False,
 ) -> dict[str, Any]:
     """Fit ``max_epochs`` at the process group's world size (resuming from ``root/ckpts``
-    when it holds a checkpoint), checkpoints every ``every`` steps, SIGKILL at ``kill_at``."""
+    when it holds a checkpoint), checkpoints every ``every`` steps, crash at ``crash_at``."""
     records = _Records()
-    logging.getLogger("lightning_elastic").addHandler(records)
+    logger = logging.getLogger("lightning_elastic")
+    logger.addHandler(records)
     pl.seed_everything(7, verbose=False)
     dataset = (
         streaming_dataset(data, drop_last=drop_last, before_group=True) if before_group else None
     )
-    model = LitDataModule(data, workers, drop_last, dataset=dataset, n=N, kill_at=kill_at)
+    model = LitDataModule(
+        data, workers, drop_last, dataset=dataset, crash_at=crash_at, n=N, dropout=0.3
+    )
     trainer = make_trainer(
         root,
         max_steps=-1,
@@ -129,13 +175,36 @@ def fit(
             DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every),
         ],
     )
-    trainer.fit(model)
+    crashed = False
+    try:
+        trainer.fit(model)
+    except Crash:
+        crashed = True
+    finally:
+        logger.removeHandler(records)
     return {
+        "crashed": crashed,
         "losses": model.losses,
         "seen": model.seen,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
         "resumed_from": trainer.ckpt_path,
-        "num_training_batches": trainer.num_training_batches,
         "log": records.messages,
     }
+
+
+def same_world(root: str, data: str, *, max_epochs: int, chain_crash_at: int) -> dict[str, Any]:
+    """At this world: for 0 workers with ``drop_last`` and 2 workers without, an uninterrupted
+    fit, one that crashes mid-epoch 1 and its resumption (over a dataset built before the
+    process group, with 0 workers); then the start of a run that another world resumes
+    (``root/chain``, crashing at ``chain_crash_at``)."""
+    results: dict[str, Any] = {}
+    for name, workers, drop_last in (("w0", 0, True), ("w2", 2, False)):
+        kw = {"max_epochs": max_epochs, "workers": workers, "drop_last": drop_last}
+        results[name] = {
+            "reference": fit(f"{root}/{name}/ref", data, **kw),
+            "crashed": fit(f"{root}/{name}/run", data, crash_at=17, **kw),
+            "resumed": fit(f"{root}/{name}/run", data, before_group=workers == 0, **kw),
+        }
+    results["chain"] = fit(f"{root}/chain", data, max_epochs=max_epochs, crash_at=chain_crash_at)
+    return results
