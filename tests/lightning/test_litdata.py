@@ -281,3 +281,39 @@ def test_world_size_changes_end_every_epoch_where_its_data_ends(two_ranks, data)
     warned = [m for m in logs[2] if "cannot train every sample of epoch" in m]
     assert len(warned) == 1 and "4 sample(s) trained before the save are dealt again" in warned[0]
     assert not any("cannot train every sample" in m for m in logs[3] + logs[1])
+
+
+@pytest.mark.parametrize("corrected", [True, False], ids=["corrected", "litdata-alone"])
+def test_a_second_resume_at_the_new_topology_continues_the_elastic_plan(
+    monkeypatch, data, corrected
+) -> None:
+    # 2 ranks -> 3 ranks x 2 workers after 3 batches; 2 more batches there, saved, resumed
+    # at 3 x 2 again. The state saved with workers lacked resume_mode="elastic" (only a
+    # dataset iterated in the main process records it): LitData then replayed the fresh
+    # epoch's plan, training again samples of before both saves
+    from litdata.utilities.env import _WorkerEnv
+
+    first = saved_state(monkeypatch, data, 2, 0, 4, 3)
+    loader = loader_at(monkeypatch, data, 3, 0, 2, 4)
+    if corrected:
+        litdata_loaders.prepare_state(loader, first, 3)
+    done = trained_before(monkeypatch, data, 2, 0, 4, 3)
+    for rank in range(3):  # the 2 batches each rank trained at 3 x 2 (one from each worker)
+        for worker in range(2):
+            reader = loader_at(monkeypatch, data, 3, rank, 2, 4)
+            reader.load_state_dict(copy.deepcopy(first))
+            reader.dataset._forced_worker_env = _WorkerEnv(2, worker)
+            stream = iter(reader.dataset)
+            done.update(int(next(stream)[0]) for _ in range(4))
+    loader.load_state_dict(copy.deepcopy(first))
+    len(loader)
+    loader._num_samples_yielded_streaming = 2 * 4
+    second = copy.deepcopy(loader.state_dict())
+    assert litdata_loaders.elastic(loader, second, 3) == corrected
+    got, ids = yielded(monkeypatch, data, second, 3, 2, 4)
+    again = sum(1 for i in ids if i in done)
+    if corrected:  # 6 batches a rank at 3 x 2, 2 done: 4 left
+        assert got == litdata_loaders.resume_plan(loader, second, 3).batches == (4, 4, 4)
+        assert again == 0 and sum(ids.values()) == w.N - sum(done.values())
+    else:
+        assert again > 0
