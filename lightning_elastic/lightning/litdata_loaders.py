@@ -32,58 +32,42 @@ Which rank calls what: every rank, when Lightning sets up the training data, cal
 and :func:`adopt` (local); Lightning then calls ``set_epoch`` at every epoch start, on every
 rank (local). Nothing else is collective.
 
-LitData internals relied on (tested with 0.2.76; :func:`missing` names what moved):
-``StreamingDataLoader.restore``, ``StreamingDataset.distributed_env`` and ``.shuffler``,
-``litdata.utilities.env._DistributedEnv``, ``litdata.streaming.dataset._replay_sampling``,
-``litdata.streaming.shuffle.WindowShuffle`` and the pure functions of
-``litdata.streaming.elastic``; the state keys of ``StreamingDataset.state_dict``.
+LitData internals relied on here (tested with 0.2.76): ``StreamingDataLoader.restore`` and
+``current_epoch``, ``StreamingDataset.distributed_env``, ``input_dir``, ``_datasets`` of its
+combining datasets, ``litdata.utilities.env._DistributedEnv``; and those of
+:mod:`~lightning_elastic.lightning.litdata_plan` (its :func:`~.litdata_plan.missing` names
+what moved).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from lightning_elastic.core._compat import unmet
 from lightning_elastic.errors import ConfigError, DataShardingError
+from lightning_elastic.lightning.litdata_plan import (
+    ResumePlan,
+    elastic,
+    litdata_state,
+    prepare_state,
+    resume_plan,
+)
 
 __all__ = [
-    "REQUIREMENTS",
     "LitDataFollower",
     "LoopPosition",
-    "ResumePlan",
     "adopt",
     "check_ranks",
     "is_streaming_loader",
-    "missing",
-    "resume_plan",
     "streaming_datasets",
 ]
 
 log = logging.getLogger(__name__)
 
-REQUIREMENTS: tuple[tuple[str, str], ...] = (
-    ("litdata", "StreamingDataLoader.load_state_dict"),
-    ("litdata", "StreamingDataset.state_dict"),
-    ("litdata.utilities.env", "_DistributedEnv.detect"),
-    ("litdata.streaming.dataset", "_replay_sampling"),
-    ("litdata.streaming.shuffle", "WindowShuffle"),
-    ("litdata.streaming.elastic", "restripe_items"),
-    ("litdata.streaming.elastic", "lockstep_stream_from_worker_seqs"),
-    ("litdata.streaming.elastic", "sample_in_epoch_from_state"),
-    ("litdata.streaming.elastic", "topology_changed"),
-)
 _FOLLOWER = "_lightning_elastic_litdata"
-
-
-def missing() -> list[str]:
-    """The LitData internals this module relies on that the installed LitData lacks (all of
-    them when LitData is not installed)."""
-    return unmet(REQUIREMENTS)
 
 
 # ---------------------------------------------------------------------- what is LitData's
@@ -168,179 +152,6 @@ def check_ranks(
             "them). Build the StreamingDataset in train_dataloader() or in "
             "LightningDataModule.setup(), where the process group exists."
         )
-
-
-# ---------------------------------------------------------------------- the resumed epoch
-
-
-@dataclasses.dataclass(frozen=True)
-class ResumePlan:
-    """What LitData's elastic resume yields of the interrupted epoch at the new topology.
-
-    ``batches[r]``: the batches rank ``r``'s loader yields (over all its workers). The samples
-    LitData cannot give once: ``repeated`` were trained before the save and are dealt again (it
-    rounds the samples done down to a multiple of ranks x batch size), ``skipped`` are the rest
-    of a chunk that was being read (it resumes whole chunks only with its window shuffle, on
-    parallel file systems), ``dropped`` are cut by ``drop_last`` to even the ranks (as in any
-    epoch with ``drop_last``); and ``uneven`` batches, those of ranks that got more than the
-    others, are left out, so that every rank runs the same number of batches.
-    """
-
-    batches: tuple[int, ...]
-    repeated: int = 0
-    skipped: int = 0
-    dropped: int = 0
-    uneven: int = 0
-
-    @property
-    def common(self) -> int:
-        """The batches every rank runs (the fewest of any rank)."""
-        return min(self.batches, default=0)
-
-
-def litdata_state(loader: Any, states: list[Any] | None) -> dict[str, Any] | None:
-    """The state in ``states`` (Lightning's pending training-loader states) that belongs to
-    the StreamingDataLoader ``loader``: the one over the same input directory."""
-    where = (loader.dataset.input_dir.path, loader.dataset.input_dir.url)
-    for state in states or ():
-        dataset = state.get("dataset") if isinstance(state, dict) else None
-        if (
-            isinstance(dataset, dict)
-            and "input_dir_path" in dataset  # a StreamingDataset's
-            and (dataset["input_dir_path"], dataset.get("input_dir_url")) == where
-        ):
-            return cast(dict[str, Any], state)
-    return None
-
-
-def elastic(loader: Any, state: dict[str, Any], world: int) -> bool:
-    """Whether LitData resumes ``state`` with its elastic plan (as its ``load_state_dict``
-    decides: another topology, or the state itself came from an elastic resume)."""
-    from litdata.streaming.elastic import topology_changed
-
-    dataset_state = state["dataset"]
-    return dataset_state.get("resume_mode") == "elastic" or bool(
-        topology_changed(
-            dataset_state,
-            world_size=world,
-            num_workers=loader.num_workers or 1,
-            batch_size=int(loader.batch_size or 1),
-        )
-    )
-
-
-def resume_plan(loader: Any, state: dict[str, Any], world: int) -> ResumePlan:
-    """What ``loader`` (a StreamingDataLoader over a StreamingDataset, at ``world`` ranks)
-    yields of ``state``'s epoch when LitData resumes it elastically: its own plan
-    (``StreamingDataset._setup_elastic_resume``) computed for every rank and worker, counting
-    samples only (nothing is read)."""
-    from litdata.streaming.dataset import _replay_sampling
-    from litdata.streaming.elastic import (
-        lockstep_stream_from_worker_seqs,
-        restripe_items,
-        sample_in_epoch_from_state,
-        topology_changed,
-    )
-    from litdata.streaming.shuffle import WindowShuffle
-    from litdata.utilities.env import _DistributedEnv
-
-    dataset = loader.dataset
-    s = state["dataset"]
-    workers, batch = max(1, loader.num_workers or 0), int(loader.batch_size or 1)
-    len(loader)  # LitData builds its shuffler on the first len()
-    shuffler = dataset.shuffler
-    init = _DistributedEnv(
-        max(1, int(s.get("initial_world_size", s.get("world_size", world)))),
-        0,
-        max(1, int(s.get("initial_num_nodes", 1))),
-    )
-    init_workers = max(1, int(s.get("initial_num_workers", s.get("num_workers", workers))))
-    init_batch = max(1, int(s.get("initial_batch_size", s.get("batch_size", batch))))
-    chunks, intervals = shuffler.get_chunks_and_intervals_per_workers(
-        init, init_workers, init_batch, int(s["current_epoch"])
-    )
-    # the epoch's canonical stream, as (chunk, position) pairs: counting needs no sample ids
-    seqs = [
-        [(int(c), k) for c, i in zip(cs, ivs, strict=True) for k in range(int(i[2]) - int(i[1]))]
-        for cs, ivs in zip(chunks, intervals, strict=True)
-    ]
-    stream = lockstep_stream_from_worker_seqs(
-        seqs, world_size=init.world_size, num_workers=init_workers, batch_size=init_batch
-    )
-    yielded = int(s.get("num_samples_yielded", 0))
-    # at the topology of an elastic resume, LitData keeps that resume's plan and skips what
-    # each worker yielded since; otherwise it restripes what no rank trained
-    replay = not topology_changed(s, world_size=world, num_workers=workers, batch_size=batch)
-    done = sample_in_epoch_from_state(s)
-    first = max(0, done - yielded * world) if replay else done
-    chunked = isinstance(shuffler, WindowShuffle)
-    plans = restripe_items(
-        stream,
-        world_size=world,
-        num_workers=workers,
-        batch_size=batch,
-        drop_first=first,
-        drop_last=bool(dataset.drop_last),
-        granularity="chunk" if chunked else "item",
-    )
-    skip = _replay_sampling(yielded, int(s.get("batch_size", batch)), workers) if replay else {}
-    counts = [
-        [max(0, _items(plans[r * workers + w]) - skip.get(w, 0)) for w in range(workers)]
-        for r in range(world)
-    ]
-    whole = math.floor if loader.drop_last else math.ceil  # each worker batches its own
-    batches = tuple(sum(whole(n / batch) for n in rank) for rank in counts)
-    planned = sum(_items(plan) for plan in plans)
-    if chunked:  # whole chunks: the rest of one being read is skipped, nothing is repeated
-        start = first
-        skipped = _rest_of_chunk(stream, first) if not replay else 0
-    else:  # the samples done are rounded down to whole global batches: the rest again
-        start = first - first % (world * batch)
-        skipped = 0
-    common = min(batches, default=0)
-    return ResumePlan(
-        batches,
-        repeated=0 if replay else done - start,
-        skipped=skipped,
-        dropped=max(0, len(stream) - start - skipped - planned),
-        uneven=sum(b - common for b in batches),
-    )
-
-
-def _items(plan: list[tuple[int, list[int]]]) -> int:
-    return sum(len(items) for _, items in plan)
-
-
-def _rest_of_chunk(stream: list[tuple[int, int]], first: int) -> int:
-    """The samples LitData's chunk-granular resume skips: those of the chunk the stream was in
-    at ``first`` (its ``restripe_items(granularity="chunk")``)."""
-    if not 0 < first < len(stream) or stream[first - 1][0] != stream[first][0]:
-        return 0
-    chunk = stream[first][0]
-    return sum(1 for c, _ in stream[first:] if c == chunk)
-
-
-def prepare_state(loader: Any, state: dict[str, Any], world: int) -> None:
-    """Two corrections to a state before LitData loads it for an elastic resume (in place).
-
-    * Its ``num_samples_yielded`` (the samples each rank yielded at the saved topology) is
-      checked against a whole epoch at the new one, although the elastic plan reads
-      ``sample_in_epoch`` only: 2 -> 3 ranks, 200 samples, after 70 of a rank's 100 samples
-      its workers raised ``ValueError`` (70 > 64). Set to 0 when the topology changed (what
-      LitData's loader itself counts from there).
-    * ``resume_mode="elastic"`` is kept in the states it saves next only when the dataset was
-      read in the main process: with DataLoader workers, a later resume at the same topology
-      replayed the fresh epoch's plan instead of the elastic one (samples twice and never).
-    """
-    from litdata.streaming.elastic import topology_changed
-
-    s = state["dataset"]
-    workers, batch = max(1, loader.num_workers or 0), int(loader.batch_size or 1)
-    if "sample_in_epoch" in s and topology_changed(
-        s, world_size=world, num_workers=workers, batch_size=batch
-    ):
-        s["num_samples_yielded"] = 0
-    s["resume_mode"] = "elastic"
 
 
 # ---------------------------------------------------------------------- following the loop

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_elastic.lightning.data import FollowsTheLoop
-    from lightning_elastic.lightning.litdata_loaders import LitDataFollower
 
 __all__ = ["ELASTIC_KEY", "ElasticSession", "ResumeCost", "is_our_strategy"]
 
@@ -116,7 +115,6 @@ class ElasticSession:
         # the run over (its lease); loading elsewhere or to evaluate never does
         self.writer: CheckpointEngine | None = None
         self.loader_states = LoaderStates()  # as of the last batch trained, for saves
-        self.litdata: LitDataFollower | None = None  # a resumed LitData training loader
 
     @classmethod
     def of(cls, trainer: pl.Trainer, timeout: timedelta = timedelta(minutes=10)) -> ElasticSession:
@@ -459,7 +457,7 @@ class ElasticSession:
         )
         if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
             self.adopt_sampler(None)
-            self.litdata = litdata.adopt(
+            litdata.adopt(
                 dataloader,
                 trainer,
                 world=world,

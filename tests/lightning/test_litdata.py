@@ -23,7 +23,7 @@ from tests.lightning import litdata_workers as w
 
 litdata = pytest.importorskip("litdata")
 
-from lightning_elastic.lightning import litdata_loaders  # noqa: E402
+from lightning_elastic.lightning import litdata_loaders, litdata_plan  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 EPOCHS = 4
@@ -116,8 +116,8 @@ def test_the_resume_plan_is_what_litdata_yields(
     state = saved_state(monkeypatch, data, *saved, batches, drop_last)
     world, workers, batch = now
     loader = loader_at(monkeypatch, data, world, 0, workers, batch, drop_last)
-    assert litdata_loaders.elastic(loader, state, world)
-    plan = litdata_loaders.resume_plan(loader, state, world)
+    assert litdata_plan.elastic(loader, state, world)
+    plan = litdata_plan.resume_plan(loader, state, world)
     assert dataclass_fields(plan) == {
         "repeated": 0,
         "skipped": 0,
@@ -125,7 +125,7 @@ def test_the_resume_plan_is_what_litdata_yields(
         "uneven": 0,
         **expected,
     }
-    litdata_loaders.prepare_state(loader, state, world)
+    litdata_plan.prepare_state(loader, state, world)
     got, ids = yielded(monkeypatch, data, state, world, workers, batch, drop_last)
     assert got == plan.batches
     assert sum(ids.values()) == len(ids), "LitData's resumed pass yields a sample twice"
@@ -152,8 +152,8 @@ def test_a_partly_read_chunk_is_counted_as_skipped_with_the_window_shuffle(
     monkeypatch.setenv("LITDATA_POSIX_FAST", "1")
     state = saved_state(monkeypatch, data, 1, 0, 4, 2, drop_last=False)  # 8 of a chunk of 12
     loader = loader_at(monkeypatch, data, 2, 0, 0, 4, drop_last=False)
-    plan = litdata_loaders.resume_plan(loader, state, 2)
-    litdata_loaders.prepare_state(loader, state, 2)
+    plan = litdata_plan.resume_plan(loader, state, 2)
+    litdata_plan.prepare_state(loader, state, 2)
     got, ids = yielded(monkeypatch, data, state, 2, 0, 4, drop_last=False)
     assert got == plan.batches
     before = trained_before(monkeypatch, data, 1, 0, 4, 2, drop_last=False)
@@ -201,7 +201,7 @@ def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(monkeypatch
 
 
 def test_the_litdata_internals_we_rely_on_are_there() -> None:
-    assert not litdata_loaders.missing(), f"LitData {litdata.__version__} moved them"
+    assert not litdata_plan.missing(), f"LitData {litdata.__version__} moved them"
 
 
 # ---------------------------------------------------------------------- multi-process
@@ -296,7 +296,7 @@ def test_a_second_resume_at_the_new_topology_continues_the_elastic_plan(
     first = saved_state(monkeypatch, data, 2, 0, 4, 3)
     loader = loader_at(monkeypatch, data, 3, 0, 2, 4)
     if corrected:
-        litdata_loaders.prepare_state(loader, first, 3)
+        litdata_plan.prepare_state(loader, first, 3)
     done = trained_before(monkeypatch, data, 2, 0, 4, 3)
     for rank in range(3):  # the 2 batches each rank trained at 3 x 2 (one from each worker)
         for worker in range(2):
@@ -309,11 +309,11 @@ def test_a_second_resume_at_the_new_topology_continues_the_elastic_plan(
     len(loader)
     loader._num_samples_yielded_streaming = 2 * 4
     second = copy.deepcopy(loader.state_dict())
-    assert litdata_loaders.elastic(loader, second, 3) == corrected
+    assert litdata_plan.elastic(loader, second, 3) == corrected
     got, ids = yielded(monkeypatch, data, second, 3, 2, 4)
     again = sum(1 for i in ids if i in done)
     if corrected:  # 6 batches a rank at 3 x 2, 2 done: 4 left
-        assert got == litdata_loaders.resume_plan(loader, second, 3).batches == (4, 4, 4)
+        assert got == litdata_plan.resume_plan(loader, second, 3).batches == (4, 4, 4)
         assert again == 0 and sum(ids.values()) == w.N - sum(done.values())
     else:
         assert again > 0
