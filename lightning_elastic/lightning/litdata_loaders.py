@@ -281,8 +281,8 @@ def adopt(
             "in train_dataloader() (it cannot be rebuilt with another batch size)"
         )
     state = litdata_state(loader, states)
-    if state is None:
-        _follow_the_loops_epoch(loader, trainer, loop)
+    if state is None or not trainer.fit_loop.restarting:  # Lightning loads no state then
+        _continue_epochs(loader, trainer, loop, state)
         return None
     length, ends_at_start = None, False
     if streaming_datasets(loader.dataset) == [loader.dataset] and elastic(loader, state, world):
@@ -306,19 +306,23 @@ def adopt(
     return follower
 
 
-def _follow_the_loops_epoch(loader: Any, trainer: Any, loop: LoopPosition) -> None:
-    """A resumed fit whose loader gets no state (Lightning loads none when the checkpoint was
-    taken after an epoch ended): LitData would start over at its first epoch (its shuffle of
-    epoch 1 again); it continues at the loop's epoch instead, as the uninterrupted run, where
-    Lightning iterates the loader once per epoch and LitData counts its epochs from 1."""
-    if (
-        loop.resumed
-        and loop.epoch > 0
-        and loader.current_epoch == 0
-        and not trainer.reload_dataloaders_every_n_epochs
-    ):
-        loader.current_epoch = loop.epoch  # its next iter() counts one more
-        log.debug("LitData loader continues at its epoch %d", loop.epoch + 1)
+def _continue_epochs(
+    loader: Any, trainer: Any, loop: LoopPosition, state: dict[str, Any] | None
+) -> None:
+    """A resumed fit whose loader gets no state: Lightning loads the loaders' states only into
+    a loop that restarts inside an epoch (with ``max_epochs`` training, not after a save at an
+    epoch's end). LitData would start over at its epoch 1 (its shuffle of epoch 1 again); it
+    continues after the saved state's epoch instead or, without a state, at the loop's epoch
+    (the uninterrupted run iterates the loader once per epoch, and LitData counts from 1)."""
+    if state is not None:
+        epoch = int(state["current_epoch"])  # over: the loop finished its epoch
+    elif loop.resumed and not trainer.reload_dataloaders_every_n_epochs:
+        epoch = loop.epoch
+    else:
+        return
+    if loader.current_epoch == 0 and epoch > 0:
+        loader.current_epoch = epoch  # its next iter() counts one more
+        log.debug("LitData loader continues at its epoch %d", epoch + 1)
 
 
 def _report(

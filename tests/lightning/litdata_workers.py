@@ -146,14 +146,16 @@ def fit(
     data: str,
     *,
     max_epochs: int,
+    max_steps: int = -1,
     crash_at: int = -1,
     every: int = 3,
     workers: int = 0,
     drop_last: bool | None = True,
     before_group: bool = False,
 ) -> dict[str, Any]:
-    """Fit ``max_epochs`` at the process group's world size (resuming from ``root/ckpts``
-    when it holds a checkpoint), checkpoints every ``every`` steps, crash at ``crash_at``."""
+    """Fit ``max_epochs`` (or ``max_steps``) at the process group's world size (resuming from
+    ``root/ckpts`` when it holds a checkpoint), checkpoints every ``every`` steps, crash at
+    ``crash_at``."""
     records = _Records()
     logger = logging.getLogger("lightning_elastic")
     logger.addHandler(records)
@@ -166,7 +168,7 @@ def fit(
     )
     trainer = make_trainer(
         root,
-        max_steps=-1,
+        max_steps=max_steps,
         max_epochs=max_epochs,
         strategy=ElasticStrategy(),
         devices=torch.distributed.get_world_size(),
@@ -196,8 +198,9 @@ def fit(
 def same_world(root: str, data: str, *, max_epochs: int, chain_crash_at: int) -> dict[str, Any]:
     """At this world: for 0 workers with ``drop_last`` and 2 workers without, an uninterrupted
     fit, one that crashes mid-epoch 1 and its resumption (over a dataset built before the
-    process group, with 0 workers); then the start of a run that another world resumes
-    (``root/chain``, crashing at ``chain_crash_at``)."""
+    process group, with 0 workers); one that crashes after the save at the end of epoch 0 and
+    its resumption; then the start of a run that another world resumes (``root/chain``,
+    crashing at ``chain_crash_at``)."""
     results: dict[str, Any] = {}
     for name, workers, drop_last in (("w0", 0, True), ("w2", 2, False)):
         kw = {"max_epochs": max_epochs, "workers": workers, "drop_last": drop_last}
@@ -206,5 +209,11 @@ def same_world(root: str, data: str, *, max_epochs: int, chain_crash_at: int) ->
             "crashed": fit(f"{root}/{name}/run", data, crash_at=17, **kw),
             "resumed": fit(f"{root}/{name}/run", data, before_group=workers == 0, **kw),
         }
+    # a fit that stops (and saves) at the end of epoch 0, and one that goes on from there
+    kw = {"max_epochs": max_epochs, "workers": 0, "drop_last": True}
+    results["boundary"] = {
+        "stopped": fit(f"{root}/boundary", data, max_steps=12, **kw),
+        "resumed": fit(f"{root}/boundary", data, **kw),
+    }
     results["chain"] = fit(f"{root}/chain", data, max_epochs=max_epochs, crash_at=chain_crash_at)
     return results

@@ -233,6 +233,21 @@ def test_same_world_resume_is_exact_across_epoch_boundaries(two_ranks, config) -
     assert sorted(set(ends)) == [(1, 24), (2, 36)], "an epoch end without its batches"
 
 
+def test_a_resume_after_the_save_at_an_epochs_end_continues_litdatas_epochs(two_ranks) -> None:
+    # max_steps=12 stops (and saves) at the end of epoch 0; Lightning loads no loader state
+    # into a loop whose epoch ended, so LitData started over at its epoch 1 (epoch 0's order
+    # again); it continues with its epoch 2
+    for rank in two_ranks["ranks"]:
+        reference, run = rank["w0"]["reference"], rank["boundary"]
+        assert run["stopped"]["global_step"] == 12
+        resumed = run["resumed"]
+        assert resumed["resumed_from"].endswith("step_000000012")
+        # the same batches (the losses differ: the RNG saved at the end of a fit misses the
+        # seed the next epoch's DataLoader iterator draws, with any loader)
+        assert resumed["seen"] == [s for s in reference["seen"] if s[0] >= 12]
+        assert (resumed["global_step"], resumed["current_epoch"]) == (36, 3)
+
+
 def test_a_dataset_built_before_the_process_group_reads_its_own_rank(two_ranks) -> None:
     # the 0-worker resumption above built its dataset before the process group (exact: rank
     # 1 read rank 1's samples); rank 1 said what it fixed, rank 0 had nothing to fix
