@@ -133,6 +133,7 @@ def check_ranks(
                 f"read by rank {rank} of {replicas}"
             )
             continue
+        # its node count stays: it decides the shuffle, and every rank built it the same way
         dataset.distributed_env = _DistributedEnv(replicas, rank, env.num_nodes)
         log.warning(
             "the LitData StreamingDataset of %s was set up before the process group existed "

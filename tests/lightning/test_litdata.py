@@ -217,6 +217,7 @@ def two_ranks(data, tmp_path_factory) -> dict[str, Any]:
     return {"root": root, "ranks": ranks}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["w0", "w2"], ids=["0workers-drop_last", "2workers"])
 def test_same_world_resume_is_exact_across_epoch_boundaries(two_ranks, config) -> None:
     for rank in two_ranks["ranks"]:
@@ -233,6 +234,7 @@ def test_same_world_resume_is_exact_across_epoch_boundaries(two_ranks, config) -
     assert sorted(set(ends)) == [(1, 24), (2, 36)], "an epoch end without its batches"
 
 
+@pytest.mark.slow
 def test_a_resume_after_the_save_at_an_epochs_end_continues_litdatas_epochs(two_ranks) -> None:
     # max_steps=12 stops (and saves) at the end of epoch 0; Lightning loads no loader state
     # into a loop whose epoch ended, so LitData started over at its epoch 1 (epoch 0's order
@@ -248,6 +250,7 @@ def test_a_resume_after_the_save_at_an_epochs_end_continues_litdatas_epochs(two_
         assert (resumed["global_step"], resumed["current_epoch"]) == (36, 3)
 
 
+@pytest.mark.slow
 def test_a_dataset_built_before_the_process_group_reads_its_own_rank(two_ranks) -> None:
     # the 0-worker resumption above built its dataset before the process group (exact: rank
     # 1 read rank 1's samples); rank 1 said what it fixed, rank 0 had nothing to fix
@@ -257,6 +260,7 @@ def test_a_dataset_built_before_the_process_group_reads_its_own_rank(two_ranks) 
     assert not any("set up before the process group" in m for m in logs[0])
 
 
+@pytest.mark.slow
 def test_world_size_changes_end_every_epoch_where_its_data_ends(two_ranks, data) -> None:
     # 96 samples, batch 4, every=3. 2 ranks crashed at 8: resume from 6, mid-epoch 0 (12 a
     # rank). 3 ranks x 2 workers: 48 done, 48 left, 4 batches; epoch 0 ends at 10; epoch 1
