@@ -30,6 +30,7 @@ __all__ = [
     "missing",
     "new_result_metric",
     "optimizer_to_device",
+    "pending_loader_states",
     "prefetched_batches",
     "reinstantiate_dataloader",
     "result_entry",
@@ -80,8 +81,9 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs"),
     ("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls"),
     # recounting the training epoch after the sampler's length changed (instance attributes
-    # FitLoop._combined_loader, CombinedLoader._mode, Trainer._val_check_time_interval are
-    # checked by tests/unit/test_compat.py on a live trainer)
+    # FitLoop._combined_loader, FitLoop._combined_loader_states_to_load, CombinedLoader._mode,
+    # Trainer._val_check_time_interval are checked by tests/unit/test_compat.py on a live
+    # trainer)
     ("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches"),
     # the training dataloaders' states as the fit loop saves them, and the batches its data
     # fetcher has taken from them ahead of the loop
@@ -250,6 +252,13 @@ def train_loader_states(trainer: Any) -> list[dict[str, Any]] | None:
     if combined is None:
         return None
     return list(combined._state_dicts())
+
+
+def pending_loader_states(trainer: Any) -> list[Any]:
+    """The training dataloaders' states a resumed fit loop will hand to their
+    ``load_state_dict`` when it sets the data up (``FitLoop._combined_loader_states_to_load``:
+    restored from the checkpoint before the dataloaders are built, emptied once loaded)."""
+    return list(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None) or ())
 
 
 def prefetched_batches(trainer: Any) -> int:

@@ -42,7 +42,11 @@ from lightning_elastic.errors import (
     Phase,
 )
 from lightning_elastic.lightning import logged
-from lightning_elastic.lightning._compat import dump_checkpoint, finish_fit_loop_restart
+from lightning_elastic.lightning._compat import (
+    dump_checkpoint,
+    finish_fit_loop_restart,
+    pending_loader_states,
+)
 from lightning_elastic.lightning.loader_states import LoaderStates
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,
@@ -464,9 +468,16 @@ class ElasticSession:
 
     def process_train_dataloader(self, dataloader: object) -> object:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
-        other dataloaders pass through."""
+        a LitData ``StreamingDataLoader`` keeps its own position, its epochs kept where the
+        loop counts them (:mod:`~lightning_elastic.lightning.litdata_loaders`); other
+        dataloaders pass through.
+
+        Raises:
+            DataShardingError: a LitData dataset was set up for another world size.
+        """
         from lightning.pytorch.trainer.states import RunningStage
 
+        from lightning_elastic.lightning import litdata_loaders as litdata
         from lightning_elastic.lightning.data import make_elastic
 
         trainer = self.trainer
@@ -477,11 +488,26 @@ class ElasticSession:
             "num_replicas": trainer.world_size,
             "rank": trainer.global_rank,
         }
-        dataloader, sampler = make_elastic(
+        rank, world = replicas["rank"], replicas["num_replicas"]
+        litdata.check_ranks(
             dataloader,
-            num_replicas=replicas["num_replicas"],
-            rank=replicas["rank"],
-            global_batch_size=self.global_batch_size,
+            rank=rank,
+            replicas=world,
+            all_agree=lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+        )
+        if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
+            self.adopt_sampler(None)
+            litdata.adopt(
+                dataloader,
+                trainer,
+                world=world,
+                states=pending_loader_states(trainer),
+                loop=litdata.LoopPosition.of(trainer),
+                global_batch_size=self.global_batch_size,
+            )
+            return dataloader
+        dataloader, sampler = make_elastic(
+            dataloader, num_replicas=world, rank=rank, global_batch_size=self.global_batch_size
         )
         self.adopt_sampler(sampler)
         return dataloader

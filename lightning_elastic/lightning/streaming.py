@@ -22,7 +22,7 @@ import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
@@ -122,7 +122,7 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
     def epoch_signal(self) -> Sampler[None]:
         """A stand-in for the DataLoader's (ignored) index sampler that passes Lightning's
         ``set_epoch`` on to this dataset (Lightning calls it on samplers, not datasets)."""
-        return _EpochSignal(self)
+        return EpochSignal(self)
 
     # ------------------------------------------------------------------ the plan
 
@@ -244,16 +244,21 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
             )
 
 
-class _EpochSignal(Sampler[None]):
-    """Yields nothing but ``None`` forever (what a DataLoader's index sampler yields for an
-    iterable dataset) and forwards ``set_epoch`` to the dataset."""
+class _FollowsEpochs(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
 
-    def __init__(self, dataset: ElasticShardedIterable) -> None:
-        self.dataset = dataset
+
+class EpochSignal(Sampler[None]):
+    """Yields nothing but ``None`` forever (what a DataLoader's index sampler yields for an
+    iterable dataset) and forwards ``set_epoch`` to ``target`` (Lightning calls it on a
+    loader's samplers at every epoch start, never on its dataset)."""
+
+    def __init__(self, target: _FollowsEpochs) -> None:
+        self.target = target
 
     def __iter__(self) -> Iterator[None]:
         return itertools.repeat(None)
 
     def set_epoch(self, epoch: int) -> None:
-        """Lightning's epoch start: the dataset starts that epoch."""
-        self.dataset.set_epoch(epoch)
+        """Lightning's epoch start: tell the target."""
+        self.target.set_epoch(epoch)

@@ -71,7 +71,8 @@ def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_traine
     tmp_path: object,
 ) -> None:
     """The instance attributes behind ``train_combined_loader``, ``train_loader_mode``,
-    ``train_loader_states``, ``prefetched_batches`` and ``validates_by_time`` exist on a
+    ``train_loader_states``, ``prefetched_batches``, ``pending_loader_states`` and
+    ``validates_by_time`` exist on a
     trainer that has set its data up."""
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -100,6 +101,8 @@ def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_traine
     assert combined is not None and hasattr(combined, "_mode")
     assert lightning_compat.train_loader_mode(combined) == "max_size_cycle"
     assert hasattr(trainer, "_val_check_time_interval")
+    assert hasattr(trainer.fit_loop, "_combined_loader_states_to_load")
+    assert lightning_compat.pending_loader_states(trainer) == []
     assert not lightning_compat.validates_by_time(trainer)
     assert lightning_compat.limit_train_batches(64, 0.5) == 32
 
