@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.elastic.shards import Piece, Segment, epoch_pieces, remaining
+from lightning_elastic.core.options import check_count, check_seed
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning.data import FollowsTheLoop
 
@@ -77,16 +78,14 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
             )
         counts = []
         for shard, count in zip(shards, samples_per_shard, strict=True):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ConfigError(f"samples_per_shard of {shard} must be an int >= 0: {count!r}")
-            counts.append(count)
+            counts.append(check_count(count, f"samples_per_shard of {shard}", minimum=0))
         if not callable(reader):
             raise ConfigError(f"reader must be callable (file, start, stop), got {reader!r}")
         self.shards = [str(s) for s in shards]
         self.counts = counts
         self.reader = reader
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = None if seed is None else check_seed(seed)
         self.drop_last = drop_last
         self.storage_options = dict(storage_options or {})
         self.rank = 0
