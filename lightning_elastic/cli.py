@@ -52,6 +52,7 @@ from lightning_elastic.core.format.catalog import (
 )
 from lightning_elastic.core.format.integrity import Problem, verify_files
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
+from lightning_elastic.core.options import check_count, check_seconds
 from lightning_elastic.core.policy.housekeeping import (
     DEFAULT_GRACE_S,
     collect_garbage,
@@ -64,6 +65,7 @@ from lightning_elastic.core.tiers.recovery import CheckpointCandidate
 from lightning_elastic.core.tiers.survey import NOTATION, TierView, survey
 from lightning_elastic.errors import (
     CheckpointNotFoundError,
+    ConfigError,
     ElasticCheckpointError,
     IntegrityError,
 )
@@ -150,9 +152,22 @@ def _positive(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    try:
+        return check_count(value, "N")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    """A duration in seconds >= 0 (``nan``, ``inf`` and negative ones refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    try:
+        return check_seconds(value, "SECONDS", zero=True, given=text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -224,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted")
     p.add_argument(
         "--leftover-grace",
-        type=float,
+        type=_seconds,
         default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="also remove leftovers of crashed saves (folders without a manifest, stray "

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "ConfigError",
     "CorruptCheckpointWarning",
+    "DataShardingError",
     "DistributedFailure",
     "ElasticCheckpointError",
     "IntegrityError",
@@ -209,6 +210,12 @@ class CheckpointMismatchError(ConfigError):
 
 class WorldSizeError(ConfigError):
     """This world size cannot work with the configuration; the message says what would."""
+
+
+class DataShardingError(ConfigError):
+    """A training dataset would read other ranks' samples: it decided its rank and world size
+    before the process group existed (e.g. LitData's ``StreamingDataset`` built at module
+    level). Raised on every rank at setup; the message says where to build it instead."""
 
 
 class PerRankStateError(WorldSizeError):

@@ -16,4 +16,8 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
   python -m pip install --quiet "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 fi
 python -m pip install --quiet -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+# LitData (the LitData tests): without its declared torchvision, whose wheels need another
+# torch; its other requirements come with the dev extra above, and it never imports
+# torchvision for non-image data
+python -m pip install --quiet --no-deps "litdata==0.2.76" 2>&1 | grep -v "is ignored" || true
 python -c "import torch, lightning_elastic; print('torch', torch.__version__, '| lightning_elastic', lightning_elastic.__version__)"

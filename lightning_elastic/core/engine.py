@@ -42,7 +42,7 @@ from lightning_elastic.core.load.load import (
 )
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED, quarantine, select_checkpoint
-from lightning_elastic.core.options import check_run_name, tier_options
+from lightning_elastic.core.options import check_run_name, check_seconds, tier_options
 from lightning_elastic.core.policy.retention import KeepBestK, KeepLastN, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
 from lightning_elastic.core.save.plan import plan_save
@@ -129,7 +129,8 @@ class CheckpointEngine:
         checksum: algorithm for the manifest's checksums (``"xxh3_64"``, ``"crc32"``, ...).
         retention: policies (``KeepLastN`` ...) applied by rank 0 after each durable commit.
         timeout: how long ranks wait for each other in a save or load before raising
-            :class:`~lightning_elastic.errors.CheckpointTimeoutError`.
+            :class:`~lightning_elastic.errors.CheckpointTimeoutError` (a ``timedelta`` or
+            seconds, at most a year).
         leftover_grace: age after which a directory without a manifest left by *another*
             job (or a stray file in a committed directory) is garbage (default: twice
             ``timeout``); this run's own leftovers are removed after its next commit.
@@ -161,8 +162,8 @@ class CheckpointEngine:
         compression: str | None = None,
         checksum: str = DEFAULT_ALGORITHM,
         retention: Sequence[RetentionPolicy] = (),
-        timeout: timedelta = timedelta(minutes=10),
-        leftover_grace: timedelta | None = None,
+        timeout: timedelta | float = timedelta(minutes=10),
+        leftover_grace: timedelta | float | None = None,
         local_root: str | os.PathLike[str] | None = None,
         persist_every_n_saves: int | None = None,
         replicas: int | None = None,
@@ -182,11 +183,12 @@ class CheckpointEngine:
             storage = Storage(root, storage_options=storage_options)
         if when_busy not in WHEN_BUSY:
             raise ConfigError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
-        if timeout.total_seconds() <= 0:
-            raise ConfigError(f"timeout must be positive, got {timeout}")
-        grace = 2 * timeout if leftover_grace is None else leftover_grace
-        if grace.total_seconds() < 0:
-            raise ConfigError(f"leftover_grace must be >= 0, got {leftover_grace}")
+        timeout = timedelta(seconds=check_seconds(timeout, "timeout"))
+        grace = (
+            2 * timeout
+            if leftover_grace is None
+            else timedelta(seconds=check_seconds(leftover_grace, "leftover_grace", zero=True))
+        )
         check_compression(compression)
         new_hasher(checksum)  # validates the name
         if run_id is not None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
+import operator
 import os
 import re
 import signal as signal_module
@@ -24,60 +26,130 @@ from lightning_elastic.errors import ConfigError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_COUNT",
+    "MAX_SECONDS",
+    "MIN_SECONDS",
     "check_bool",
     "check_choice",
     "check_count",
     "check_factor",
+    "check_node_id",
+    "check_number",
     "check_port",
     "check_run_name",
     "check_seconds",
+    "check_seed",
     "check_signals",
     "one_timeout",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 MAX_SECONDS = 365 * 24 * 3600.0  # beyond this a "timeout" is a mistake (and overflows timers)
+MIN_SECONDS = 1e-6  # a timedelta's resolution: a shorter duration becomes 0
+#: the largest count an option takes: what a manifest records (and far below what C sizes,
+#: deques and torch's seeds overflow at)
+MAX_COUNT = 2**62
 # signals a process cannot catch: a checkpoint on them is impossible
 _UNCATCHABLE = {int(signal_module.SIGKILL), int(signal_module.SIGSTOP)}
+_UNSET: Any = object()
 
 
 def _given(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    text = repr(value)
+    if len(text) > 60:  # 10**400 is 401 digits: enough to see what it was
+        text = f"{text[:24]}...{text[-12:]} ({len(text)} characters)"
+    return f"{text} ({type(value).__name__})"
 
 
-def check_count(value: Any, name: str, *, minimum: int = 1) -> int:
-    """``value`` as an ``int`` >= ``minimum``; floats (even ``2.0``), strings and bools are
-    refused."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {_given(value)}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+    what: str | None = None,
+    unit: str = "",
+    given: Any = _UNSET,
+) -> Any:
+    """The one check of a numeric option: ``value`` as an ``int`` (``integer``: ints only,
+    ``2.0`` refused) or a ``float`` within ``low``..``high`` (``*_open``: that end excluded;
+    ``None``: unbounded, yet finite). Refused, with a :class:`ConfigError` naming the option,
+    the value (``given`` when the user wrote something else, e.g. ``"4h"``) and the range:
+    bools, strings and other types, NaN, infinities, and (for a float) integers beyond a
+    float's range.
+    """
+    shown = value if given is _UNSET else given
+    kind = what or ("an integer" if integer else "a number")
+    wanted = f"{name} must be {kind} {_range(low, high, low_open, high_open)}{unit}"
+    if not _numeric(value, integer):
+        raise ConfigError(f"{wanted}, got {_given(shown)}")
+    try:
+        number: Any = operator.index(value) if integer else float(value)
+    except (OverflowError, ValueError):  # an int beyond a float's range
+        raise ConfigError(f"{wanted}, got {_given(shown)}") from None
+    if not integer and not math.isfinite(number):
+        raise ConfigError(f"{wanted}, got {_given(shown)}")
+    inside = (low is None or (number > low if low_open else number >= low)) and (
+        high is None or (number < high if high_open else number <= high)
+    )
+    if not inside:
+        raise ConfigError(f"{wanted}, got {_given(shown)}")
+    return number
+
+
+def _numeric(value: Any, integer: bool) -> bool:
+    """An int (any integral type but bool), or for a float any real number but a bool."""
+    kind = numbers.Integral if integer else numbers.Real
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _range(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return "" if low is None else f"{'>' if low_open else '>='} {_bound(low)}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {_bound(high)}"
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    return f"in {left}{_bound(low)}, {_bound(high)}{right}"
+
+
+def _bound(x: float) -> str:
+    if isinstance(x, int):
+        for n, text in ((abs(x), ""), (abs(x) + 1, "-1")):  # 2**62, 2**63-1, -2**63
+            if n >= 2**20 and n & (n - 1) == 0:
+                return f"{'-' if x < 0 else ''}2**{n.bit_length() - 1}{text}"
+        return str(x)
+    return f"{x:g}"
+
+
+def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
+    """``value`` as an ``int`` in ``minimum``..``maximum``; floats (even ``2.0``), strings and
+    bools are refused."""
+    number: int = check_number(value, name, low=minimum, high=maximum, integer=True)
+    return number
 
 
 def check_port(value: Any, name: str = "metrics_port") -> int | None:
     """``None`` or a TCP port number (``0``: any free port)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ConfigError(f"{name} must be None or a port in 0..65535, got {_given(value)}")
+    port = check_number(value, name, low=0, high=65535, integer=True, what="None or a port")
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError(
-            f"{name}={value} serves metrics with prometheus_client, which is not installed: "
+            f"{name}={port} serves metrics with prometheus_client, which is not installed: "
             "pip install 'lightning_elastic[metrics]' (or leave metrics_port=None)"
         )
-    return int(value)
+    return int(port)
 
 
 def check_factor(value: Any, name: str = "straggler_factor") -> float | None:
     """``None`` or a finite number > 1 (a ratio to the median)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be None or a number > 1, got {_given(value)}")
-    if not (math.isfinite(value) and value > 1):
-        raise ConfigError(f"{name} must be None or a number > 1, got {value!r}")
-    return float(value)
+    factor: float = check_number(value, name, low=1, low_open=True, what="None or a number")
+    return factor
 
 
 def check_bool(value: Any, name: str) -> bool:
@@ -95,21 +167,35 @@ def check_choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
     return value
 
 
-def check_seconds(value: Any, name: str) -> float:
-    """A positive, finite duration given as a ``timedelta`` or a number of seconds."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ConfigError(
-            f"{name} must be a timedelta or a number of seconds > 0, got {_given(value)}"
-        )
-    if not (seconds > 0 and math.isfinite(seconds)) or seconds > MAX_SECONDS:
-        raise ConfigError(
-            f"{name} must be a duration > 0 and <= {MAX_SECONDS:g} s (a year), got {value!r}"
-        )
-    return seconds
+def check_seconds(
+    value: Any,
+    name: str,
+    *,
+    zero: bool = False,
+    maximum: float = MAX_SECONDS,
+    given: Any = _UNSET,
+) -> float:
+    """A finite duration given as a ``timedelta`` or a number of seconds: at least a
+    microsecond (a timedelta's resolution; ``zero``: or 0) and at most ``maximum`` (a year)."""
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    years = maximum / MAX_SECONDS
+    limit = f" (at most {'a year' if years == 1 else f'{years:g} years'})"
+    checked: float = check_number(
+        seconds,
+        name,
+        low=0.0 if zero else MIN_SECONDS,
+        high=maximum,
+        what="a duration (a timedelta or seconds)",
+        unit=f" s{limit}",
+        given=value if given is _UNSET else given,
+    )
+    return checked
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+    """A random seed: an integer torch's generators take (a signed 64-bit one)."""
+    seed: int = check_number(value, name, low=-(2**63), high=2**63 - 1, integer=True)
+    return seed
 
 
 def check_signals(value: Any, name: str = "signals") -> tuple[int, ...]:
@@ -211,20 +297,32 @@ def tier_options(
 MAX_NODE_ID = 255
 
 
+# Unicode's bidirectional controls (embeddings, overrides, isolates, marks): they reorder
+# what follows them on a terminal, so a log line or the CLI's table could show other text
+# than it holds
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+# control (Cc) and format (Cf: invisible, e.g. zero-width spaces, which make two ids look
+# alike) characters, and line and paragraph separators
+_HIDDEN_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
+
+
 def check_node_id(node: Any, where: str = "node") -> str:
     """A node id: a non-empty string of at most :data:`MAX_NODE_ID` characters, in UTF-8,
-    without '/', control characters or line breaks (it names a node in logs, manifests and
-    the CLI's output)."""
+    that is not ``.`` or ``..`` and holds no ``/``, no control, format or bidirectional
+    control character and no line break (it names a node in logs, manifests and the CLI's
+    output, and must never read as a path component)."""
     if not (
         isinstance(node, str)
         and 0 < len(node) <= MAX_NODE_ID
+        and node not in (".", "..")
         and "/" not in node
-        and not any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in node)
+        and not any(c in _BIDI or unicodedata.category(c) in _HIDDEN_CATEGORIES for c in node)
         and _utf8(node)
     ):
         raise ConfigError(
-            f"{where} must be a non-empty UTF-8 name of at most {MAX_NODE_ID} characters "
-            f"without '/', control characters or line breaks, got {node!r}"
+            f"{where} must be a non-empty UTF-8 name of at most {MAX_NODE_ID} characters, not "
+            "'.' or '..', without '/', control, format or bidirectional control characters "
+            f"or line breaks, got {node!a}"
         )
     return node
 

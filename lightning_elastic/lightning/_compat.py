@@ -12,24 +12,33 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from lightning_elastic.core._compat import unmet
 
 __all__ = [
     "REQUIREMENTS",
     "checkpoint_after_batch",
     "dump_checkpoint",
+    "finish_fit_loop_restart",
     "install_on_connector",
+    "is_distributed",
     "limit_train_batches",
+    "logger_connector_state",
     "loop_progress",
     "metric_reductions",
     "metric_update_count",
     "missing",
+    "new_result_metric",
     "optimizer_to_device",
+    "pending_loader_states",
     "prefetched_batches",
     "reinstantiate_dataloader",
     "restore_results",
+    "result_entry",
     "set_closure_batch",
     "set_loaded_checkpoint",
+    "set_logger_connector_state",
     "set_loop_progress",
     "set_metric_update_count",
     "snapshot_results",
@@ -77,8 +86,9 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs"),
     ("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls"),
     # recounting the training epoch after the sampler's length changed (instance attributes
-    # FitLoop._combined_loader, CombinedLoader._mode, Trainer._val_check_time_interval are
-    # checked by tests/unit/test_compat.py on a live trainer)
+    # FitLoop._combined_loader, FitLoop._combined_loader_states_to_load, CombinedLoader._mode,
+    # Trainer._val_check_time_interval are checked by tests/unit/test_compat.py on a live
+    # trainer)
     ("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches"),
     # the training dataloaders' states as the fit loop saves them, and the batches its data
     # fetcher has taken from them ahead of the loop
@@ -95,7 +105,20 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.loops.optimization.automatic", "Closure"),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
     ("lightning.pytorch.loops.fit_loop", "_FitLoop"),
+    # what self.log keeps: the logger connector's last values (_callback_metrics,
+    # _logged_metrics, _progress_bar_metrics, _first_loop_iter, _current_fx: instance
+    # attributes, checked by tests/unit/test_compat.py on a live trainer) and the training
+    # loop's _ResultCollection of _ResultMetric (a torchmetrics Metric with _Metadata/_Sync)
+    ("lightning.pytorch.trainer.connectors.logger_connector.logger_connector", "_LoggerConnector"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection"),
     ("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_Metadata"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_Sync"),
+    # whether self.log(sync_dist=True) syncs under this trainer
+    (
+        "lightning.pytorch.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector.is_distributed",
+    ),
 )
 
 
@@ -252,6 +275,13 @@ def train_loader_states(trainer: Any) -> list[dict[str, Any]] | None:
     return list(combined._state_dicts())
 
 
+def pending_loader_states(trainer: Any) -> list[Any]:
+    """The training dataloaders' states a resumed fit loop will hand to their
+    ``load_state_dict`` when it sets the data up (``FitLoop._combined_loader_states_to_load``:
+    restored from the checkpoint before the dataloaders are built, emptied once loaded)."""
+    return list(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None) or ())
+
+
 def prefetched_batches(trainer: Any) -> int:
     """How many batches the fit loop's data fetcher has taken from the training dataloaders
     beyond the one being trained (``_PrefetchDataFetcher.batches``: 1 for a dataloader
@@ -349,11 +379,6 @@ def set_loop_progress(trainer: Any, state: dict[str, Any]) -> None:
     trainer.fit_loop.epoch_loop._batches_that_stepped = int(state["batches_that_stepped"])
 
 
-def training_results(trainer: Any) -> Any:
-    """The training loop's logged-results collection (``self.log`` values of the epoch)."""
-    return trainer.fit_loop.epoch_loop._results
-
-
 def snapshot_results(results: Any) -> dict[str, Any]:
     """What ``self.log`` has accumulated so far, for :func:`restore_results` (tensor values:
     states cloned; logged ``Metric`` objects are the module's own, snapshotted with it)."""
@@ -388,6 +413,157 @@ def restore_results(results: Any, saved: dict[str, Any]) -> None:
         item._forward_cache = cache
         item._update_count = count
         item._computed = None
+
+
+# self.log's reductions by name (what _Metadata._parse_reduce_fx accepts, as it stores them)
+_REDUCTIONS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("mean", torch.mean),
+    ("sum", torch.sum),
+    ("max", torch.max),
+    ("min", torch.min),
+    ("builtins.sum", sum),
+    ("builtins.max", max),
+    ("builtins.min", min),
+)
+_META_FIELDS = (
+    "fx",
+    "name",
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "enable_graph",
+    "add_dataloader_idx",
+    "dataloader_idx",
+    "metric_attribute",
+)
+
+
+def logger_connector_state(trainer: Any) -> dict[str, Any]:
+    """What the trainer's logger connector keeps between hooks: the last values it gave
+    callbacks (``_callback_metrics``), loggers (``_logged_metrics``) and the progress bar
+    (``_progress_bar_metrics``), without merging the running results in as the public
+    properties do, and where the loop stands for ``self.log`` (``_first_loop_iter``: ``None``
+    outside an epoch's batches, ``True`` in its first, ``False`` after; ``_current_fx``: the
+    hook that logged last)."""
+    connector = trainer._logger_connector
+    return {
+        "callback": dict(connector._callback_metrics),
+        "log": dict(connector._logged_metrics),
+        "pbar": dict(connector._progress_bar_metrics),
+        "first_loop_iter": connector._first_loop_iter,
+        "current_fx": connector._current_fx,
+    }
+
+
+def set_logger_connector_state(
+    trainer: Any,
+    *,
+    callback: dict[str, Any],
+    log: dict[str, Any],
+    pbar: dict[str, Any],
+    first_loop_iter: bool | None,
+    current_fx: str | None,
+) -> None:
+    """Put back what :func:`logger_connector_state` returned."""
+    connector = trainer._logger_connector
+    connector._callback_metrics = callback
+    connector._logged_metrics = log
+    connector._progress_bar_metrics = pbar
+    connector._first_loop_iter = first_loop_iter
+    connector._current_fx = current_fx
+
+
+def training_results(trainer: Any) -> dict[str, Any]:
+    """The training loop's ``_ResultCollection`` (a dict of ``_ResultMetric`` by
+    ``"<hook>.<name>"``): every ``self.log`` of the training hooks, with its epoch-level
+    accumulators (``fit_loop.epoch_loop._results``)."""
+    results: dict[str, Any] = trainer.fit_loop.epoch_loop._results
+    return results
+
+
+def is_distributed(trainer: Any) -> bool:
+    """Whether ``self.log(sync_dist=True)`` syncs under ``trainer``
+    (``_accelerator_connector.is_distributed``: a DDP-like strategy, even on one device)."""
+    return bool(trainer._accelerator_connector.is_distributed)
+
+
+def result_entry(metric: Any) -> dict[str, Any]:
+    """One ``_ResultMetric`` in plain values: ``is_tensor`` (else it wraps a torchmetrics
+    ``Metric`` of the module, ``meta["metric_attribute"]``), ``meta`` (``self.log``'s
+    arguments as ``_Metadata`` holds them; ``reduce_fx`` by name, ``None`` for one Lightning
+    does not take; ``sync_dist``, ``rank_zero_only`` and whether a ``sync_dist_group`` was
+    given), ``state`` (the accumulators of a tensor value: ``value``, and for a mean
+    ``cumulated_batch_size``), the last step value (``forward_cache``), the cached epoch
+    value (``computed``), ``has_reset`` and ``update_count``. Tensors are the live ones."""
+    meta = metric.meta
+    sync = meta._sync
+    fields = {name: getattr(meta, name) for name in _META_FIELDS}
+    fields["reduce_fx"] = next((n for n, f in _REDUCTIONS if f is meta.reduce_fx), None)
+    fields["sync_dist"] = bool(sync is not None and sync.should)
+    fields["rank_zero_only"] = bool(sync is not None and sync.rank_zero_only)
+    fields["sync_group"] = sync is not None and sync.group is not None
+    return {
+        "is_tensor": bool(metric.is_tensor),
+        "meta": fields,
+        "state": dict(metric.metric_state) if metric.is_tensor else {},
+        "forward_cache": metric._forward_cache,
+        "computed": metric._computed,
+        "has_reset": bool(metric.has_reset),
+        "update_count": int(metric._update_count),
+    }
+
+
+def new_result_metric(trainer: Any, entry: dict[str, Any], *, sync_dist: bool) -> Any:
+    """A ``_ResultMetric`` equal to the one :func:`result_entry` described, as
+    ``LightningModule.log`` would create it under ``trainer`` (its ``_Metadata`` compares
+    equal to the next ``self.log`` with the same arguments, or Lightning raises), holding
+    ``entry``'s accumulators (an empty ``state`` keeps the initial ones) and, for a
+    torchmetrics value, ``entry["metric"]``. ``KeyError``/``ValueError``: no such
+    reduction."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import (
+        _Metadata,
+        _ResultMetric,
+        _Sync,
+    )
+
+    fields = entry["meta"]
+    reduce_fx = dict(_REDUCTIONS)[fields["reduce_fx"]]
+    meta = _Metadata(**{name: fields[name] for name in _META_FIELDS}, reduce_fx=reduce_fx)
+    meta.sync = _Sync(
+        _should=sync_dist,
+        fn=trainer.strategy.reduce,
+        rank_zero_only=bool(fields["rank_zero_only"]),
+    )
+    metric = _ResultMetric(meta, bool(entry["is_tensor"]))
+    if not metric.is_tensor:
+        metric.value = entry["metric"]
+    for attr, value in entry["state"].items():
+        if attr not in metric.metric_state:
+            raise ValueError(f"{fields['name']!r} has no state {attr!r}")
+        setattr(metric, attr, value)
+    metric._update_count = int(entry["update_count"])
+    metric._forward_cache = entry["forward_cache"]
+    metric._computed = entry["computed"]
+    metric.has_reset = bool(entry["has_reset"])
+    return metric
+
+
+def finish_fit_loop_restart(trainer: Any) -> bool:
+    """End the fit loop's restart state now (``_restarting``, not its children's), if it is
+    in one; returns whether it was.
+
+    After a restore, Lightning leaves the fit loop "restarting" until the end of the epoch
+    it resumed in, and at that epoch's end skips the epoch-interval ``ReduceLROnPlateau``
+    steps (``FitLoop.on_advance_end``: "metric-based schedulers require access to metrics and
+    those are not currently saved in the checkpoint"). Called once the metrics they read are
+    back, before a batch of that epoch trains, so that its end steps them as the uninterrupted
+    run does."""
+    loop = trainer.fit_loop
+    if not loop._restarting:
+        return False
+    loop._restarting = False
+    return True
 
 
 def missing() -> list[str]:

@@ -117,9 +117,9 @@ class DistributedCheckpoint(Checkpoint):
             this run's checkpoints and retention only deletes them. Default: the run whose
             checkpoint is newest in ``dirpath`` is continued (see docs/resuming.md).
         mtbf: with ``train_time_interval="auto"``: one node's mean time between failures
-            (``"4h"``, ``"90m"``, seconds or a ``timedelta``); the job's is this over the number
-            of nodes. Default: measured from the run's restart history in ``dirpath`` (until a
-            first failure, saves are only bounded by ``max_overhead``).
+            (``"4h"``, ``"90m"``, seconds or a ``timedelta``, up to a century); the job's is
+            this over the number of nodes. Default: measured from the run's restart history in
+            ``dirpath`` (until a first failure, saves are only bounded by ``max_overhead``).
         max_overhead: with ``"auto"``: the largest fraction of training time saves may cost
             (default 0.01).
         min_interval: with ``"continuous"``: the least time between two saves, and from the

@@ -42,6 +42,7 @@ from torch.utils.data import (
 )
 
 from lightning_elastic.core.elastic.data_position import DataPosition, epoch_order, rank_indices
+from lightning_elastic.core.options import check_count, check_seed
 from lightning_elastic.errors import ConfigError, WorldSizeError
 from lightning_elastic.lightning._compat import (
     limit_train_batches,
@@ -182,15 +183,15 @@ class ElasticSampler(FollowsTheLoop, Sampler[int]):
         batch_size: int = 1,
         drop_last_batch: bool = False,
     ) -> None:
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        check_count(num_replicas, "num_replicas")
+        check_count(rank, "rank", minimum=0, maximum=num_replicas - 1)
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.drop_last = drop_last
-        self.batch_size = max(1, batch_size)
+        self.batch_size = check_count(batch_size, "batch_size")
         self.drop_last_batch = drop_last_batch
         self.epoch = 0
         self._start = DataPosition(epoch=0, consumed=0, world_size=num_replicas)

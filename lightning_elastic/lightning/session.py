@@ -6,9 +6,11 @@ Saved per checkpoint (through the engine):
 * replicated: Lightning's own checkpoint dict (model, optimizers, schedulers, loops,
   callbacks, precision plugin, datamodule, hyperparameters) plus ``"lightning_elastic"``:
   the data position and the world size that wrote it;
-* per rank: RNG states (Python, NumPy, torch, CUDA) and torchmetrics states, and every entry
-  of Lightning's dict whose value differs between ranks (a stateful dataloader's position in
-  its own shard, a callback's per-rank counter), found by comparing digests at every save;
+* per rank: RNG states (Python, NumPy, torch, CUDA), torchmetrics states, what ``self.log``
+  left behind (``trainer.callback_metrics`` and the epoch's accumulators, see
+  :mod:`~lightning_elastic.lightning.logged`), and every entry of Lightning's dict whose value
+  differs between ranks (a stateful dataloader's position in its own shard, a callback's
+  per-rank counter), found by comparing digests at every save;
 * manifest metadata: reason, step, epoch, JSON-safe hyperparameters, the LightningCLI
   configuration (resolved), and the topology.
 """
@@ -33,11 +35,18 @@ from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.optimizer_state import is_named, named_to_positional
 from lightning_elastic.core.load.load import LoadResult, read_rank_states
 from lightning_elastic.errors import (
+    CheckpointLoadError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     PerRankStateError,
+    Phase,
 )
-from lightning_elastic.lightning._compat import dump_checkpoint
+from lightning_elastic.lightning import logged
+from lightning_elastic.lightning._compat import (
+    dump_checkpoint,
+    finish_fit_loop_restart,
+    pending_loader_states,
+)
 from lightning_elastic.lightning.loader_states import LoaderStates
 from lightning_elastic.lightning.metrics import (
     fold_metric_states,
@@ -207,7 +216,11 @@ class ElasticSession:
             epoch=trainer.current_epoch,
             metrics=metrics,
             metadata=metadata,
-            rank_state={"rng": rng.capture(), "metrics": metric_states(trainer.lightning_module)},
+            rank_state={
+                "rng": rng.capture(),
+                "metrics": metric_states(trainer.lightning_module),
+                logged.RANK_STATE_KEY: logged.capture(trainer),
+            },
             name=name,
             overwrite=overwrite,
             blocking=blocking,
@@ -342,6 +355,7 @@ class ElasticSession:
                 metrics = fold_metric_states(self.trainer.lightning_module, list(per_rank.values()))
             self.pending_rank_state["metrics"] = metrics
             self.pending_rank_state["reset_metrics"] = True
+            self.pending_rank_state[logged.RANK_STATE_KEY] = self._fold_logged(engine, result)
             log.warning(
                 "resuming %s, written by a world of %d, in a world of %d: the epoch's remaining "
                 "samples are redistributed and new ranks derive their RNG from the seed",
@@ -365,6 +379,32 @@ class ElasticSession:
         if self.ensure_coordinator().rank == 0:
             log.info("loaded %s in %s", result.info.location, self.resume_cost.describe())
         return checkpoint
+
+    def _fold_logged(self, engine: CheckpointEngine, result: LoadResult) -> Any:
+        """At another world size: this rank's part of the saved ranks' logged values and
+        accumulators, folded on rank 0 and broadcast (every rank calls this together);
+        ``None`` for a checkpoint that saved none."""
+        coordinator = self.ensure_coordinator()
+
+        def read_and_fold() -> Any:
+            per_rank = read_rank_states(
+                engine.load_storage, result.info, logged.RANK_STATE_KEY, trusted=self.trusted
+            )
+            if not per_rank:
+                return None
+            try:
+                return logged.fold([per_rank[rank] for rank in sorted(per_rank)])
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # malformed
+                log.warning("the saved logged metrics cannot be folded (%r): not restored", exc)
+                return None
+
+        folded = coordinator.broadcast(
+            Phase.LOAD,
+            read_and_fold,
+            what=f"{result.info.location} (logged metrics)",
+            error=CheckpointLoadError,
+        )
+        return None if folded is None else folded[0 if coordinator.rank == 0 else 1]
 
     def _check_same_experiment(self, result: LoadResult) -> None:
         """Auto-resume with other hyperparameters than the run was written with: say so, on
@@ -437,9 +477,16 @@ class ElasticSession:
 
     def process_train_dataloader(self, dataloader: object) -> object:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
-        other dataloaders pass through."""
+        a LitData ``StreamingDataLoader`` keeps its own position, its epochs kept where the
+        loop counts them (:mod:`~lightning_elastic.lightning.litdata_loaders`); other
+        dataloaders pass through.
+
+        Raises:
+            DataShardingError: a LitData dataset was set up for another world size.
+        """
         from lightning.pytorch.trainer.states import RunningStage
 
+        from lightning_elastic.lightning import litdata_loaders as litdata
         from lightning_elastic.lightning.data import make_elastic
 
         trainer = self.trainer
@@ -450,11 +497,26 @@ class ElasticSession:
             "num_replicas": trainer.world_size,
             "rank": trainer.global_rank,
         }
-        dataloader, sampler = make_elastic(
+        rank, world = replicas["rank"], replicas["num_replicas"]
+        litdata.check_ranks(
             dataloader,
-            num_replicas=replicas["num_replicas"],
-            rank=replicas["rank"],
-            global_batch_size=self.global_batch_size,
+            rank=rank,
+            replicas=world,
+            all_agree=lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+        )
+        if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
+            self.adopt_sampler(None)
+            litdata.adopt(
+                dataloader,
+                trainer,
+                world=world,
+                states=pending_loader_states(trainer),
+                loop=litdata.LoopPosition.of(trainer),
+                global_batch_size=self.global_batch_size,
+            )
+            return dataloader
+        dataloader, sampler = make_elastic(
+            dataloader, num_replicas=world, rank=rank, global_batch_size=self.global_batch_size
         )
         self.adopt_sampler(sampler)
         return dataloader
@@ -471,8 +533,8 @@ class ElasticSession:
     def on_train_batch_start(self) -> None:
         """At every training batch's start: note the dataloaders' states (a save taken
         before the next batch holds them); right before the first resumed step, put back this
-        rank's RNG and metric states (after dataloader iterators were created, so they cannot
-        shift the streams)."""
+        rank's RNG, metric states and logged values (after dataloader iterators were created,
+        so they cannot shift the streams; at the point of the batch where they were saved)."""
         self.loader_states.record(self.trainer)
         pending = self.pending_rank_state
         if pending is None:
@@ -487,6 +549,9 @@ class ElasticSession:
         if pending.get("reset_metrics"):
             reset_metrics(module)
         restore_metric_states(module, pending.get("metrics") or {})
+        if logged.restore(self.trainer, pending.get(logged.RANK_STATE_KEY)):
+            # what epoch-end plateau steps read is back: Lightning may step them again
+            finish_fit_loop_restart(self.trainer)
 
 
 def is_our_strategy(strategy: Any) -> bool:

@@ -22,12 +22,13 @@ import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.elastic.shards import Piece, Segment, epoch_pieces, remaining
+from lightning_elastic.core.options import check_count, check_seed
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning.data import FollowsTheLoop
 
@@ -77,16 +78,14 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
             )
         counts = []
         for shard, count in zip(shards, samples_per_shard, strict=True):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ConfigError(f"samples_per_shard of {shard} must be an int >= 0: {count!r}")
-            counts.append(count)
+            counts.append(check_count(count, f"samples_per_shard of {shard}", minimum=0))
         if not callable(reader):
             raise ConfigError(f"reader must be callable (file, start, stop), got {reader!r}")
         self.shards = [str(s) for s in shards]
         self.counts = counts
         self.reader = reader
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = None if seed is None else check_seed(seed)
         self.drop_last = drop_last
         self.storage_options = dict(storage_options or {})
         self.rank = 0
@@ -122,7 +121,7 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
     def epoch_signal(self) -> Sampler[None]:
         """A stand-in for the DataLoader's (ignored) index sampler that passes Lightning's
         ``set_epoch`` on to this dataset (Lightning calls it on samplers, not datasets)."""
-        return _EpochSignal(self)
+        return EpochSignal(self)
 
     # ------------------------------------------------------------------ the plan
 
@@ -244,16 +243,21 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
             )
 
 
-class _EpochSignal(Sampler[None]):
-    """Yields nothing but ``None`` forever (what a DataLoader's index sampler yields for an
-    iterable dataset) and forwards ``set_epoch`` to the dataset."""
+class _FollowsEpochs(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
 
-    def __init__(self, dataset: ElasticShardedIterable) -> None:
-        self.dataset = dataset
+
+class EpochSignal(Sampler[None]):
+    """Yields nothing but ``None`` forever (what a DataLoader's index sampler yields for an
+    iterable dataset) and forwards ``set_epoch`` to ``target`` (Lightning calls it on a
+    loader's samplers at every epoch start, never on its dataset)."""
+
+    def __init__(self, target: _FollowsEpochs) -> None:
+        self.target = target
 
     def __iter__(self) -> Iterator[None]:
         return itertools.repeat(None)
 
     def set_epoch(self, epoch: int) -> None:
-        """Lightning's epoch start: the dataset starts that epoch."""
-        self.dataset.set_epoch(epoch)
+        """Lightning's epoch start: tell the target."""
+        self.target.set_epoch(epoch)

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,6 +221,29 @@ def test_bad_arguments_give_one_line_and_exit_2(root, capsys, argv) -> None:
     code, out, err = run(capsys, *[a.format(root=root) for a in argv])
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--keep-last", "1" + "0" * 400),
+        ("--keep-every-n-steps", str(2**62 + 1)),
+        ("--leftover-grace", "nan"),
+        ("--leftover-grace", "inf"),
+        ("--leftover-grace", "1e400"),
+        ("--leftover-grace", "-1"),
+        ("--leftover-grace", str(10**400)),
+    ],
+)
+def test_numeric_flags_refuse_values_they_cannot_represent(root, capsys, flag, value) -> None:
+    """A grace of NaN or -1 used to run: -1 collected other jobs' saves in flight as leftovers."""
+    before = checkpoint_dirs(root)
+    keep = [] if flag == "--keep-last" else ["--keep-last", "1"]
+    code, out, err = run(capsys, "prune", str(root), *keep, flag, value)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"argument {flag}" in err and value[:20] in err, err
+    assert re.search(r"in \[\S+, \S+\]", err), err  # the allowed range
+    assert checkpoint_dirs(root) == before
 
 
 def test_an_unreadable_manifest_is_a_row_not_a_crash(root, capsys, monkeypatch) -> None:

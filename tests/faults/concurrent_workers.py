@@ -201,6 +201,10 @@ class HookedStorage(LocalStorage):
         super().delete(rel)
         self._fire("delete", rel)
 
+    def retire(self, rel: str) -> None:
+        super().retire(rel)
+        self._fire("retire", rel)
+
     def write_stream(self, rel: str, *args: Any, **kwargs: Any) -> Written:
         self._fire("before-write", rel)
         return super().write_stream(rel, *args, **kwargs)

@@ -10,16 +10,19 @@ independently of what the jobs believed:
 * every checkpoint in the root was reported committed by exactly the save that wrote it, and
   verifies with full checksums; every committed one still present has exactly the files it
   had right after its commit, all named after its save id (DCP metadata included);
-* a run's checkpoints disappear only through its own retention: each run's two newest commits
-  survive, and ``load`` of a run picks that run's newest;
+* a run's checkpoints disappear only through its own retention, which leaves each run exactly
+  its two newest commits (and the one it resumed from), and ``load`` of a run picks that run's
+  newest; between different runs no save fails;
 * a stale copy of a run is fenced: once the newer job holds the lease, the old one commits
   nothing, and its refusal (``StaleWriterError``) names the newer writer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
+import shutil
 import socket
 import threading
 from collections import defaultdict
@@ -35,13 +38,14 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.catalog import VALID, Catalog
 from lightning_elastic.core.format.integrity import verify_files
-from lightning_elastic.core.format.manifest import MANIFEST_FILE
+from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
 from lightning_elastic.core.policy.retention import KeepLastN
 from lightning_elastic.core.save.request import SaveResult
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     ElasticCheckpointError,
     StaleWriterError,
+    StorageNotFoundError,
 )
 from lightning_elastic.testing.s3 import S3Server
 from lightning_elastic.testing.spawn import run_distributed
@@ -209,14 +213,35 @@ def audit(backend: Backend, reports: dict[str, list[JobReport]]) -> Audit:
             before == listing,
             f"{info.name} changed after its commit: {before} -> {listing}",
         )
+    resumed = {(r.run_id, r.resumed) for ranks in reports.values() for r in ranks if r.resumed}
     for run_id, commits in result.runs().items():
+        newest = {c.key for c in commits[-2:]}
         for c in commits[-2:]:  # KeepLastN(2): a run's newest two survive anything else
             result.check(
                 c.key in result.present,
                 f"{c.outcome.name} (run {run_id}, step {c.outcome.step}) was deleted although "
                 "it is one of its run's two newest",
             )
+        # ... and are all it keeps, but for the checkpoint it resumed from (protected)
+        beyond = sorted(
+            name
+            for key, name in result.present.items()
+            if key[0] == run_id and key not in newest and (run_id, name) not in resumed
+        )
+        result.check(not beyond, f"run {run_id} kept {beyond} beyond its limit (keep-last-2)")
     return result
+
+
+def assert_all_committed(reports: dict[str, list[JobReport]]) -> None:
+    """No save failed: another run's saves and deletions are no reason to fail."""
+    failed = [
+        f"job {r.job} rank {r.rank} step {o.step}: {o.error_type}: {o.message}"
+        for ranks in reports.values()
+        for r in ranks
+        for o in r.outcomes
+        if o.name is None
+    ]
+    assert not failed, "\n".join(failed)
 
 
 def _check_outcomes(result: Audit, job: str, ranks: list[JobReport]) -> None:
@@ -287,7 +312,9 @@ def test_two_runs_share_a_root(
         (spec(backend, sync_dir, "run-a", "a"), 1),
         (spec(backend, sync_dir, "run-b", "b", async_save=True), 1),
     ]
-    conclude(audit(backend, run_jobs(jobs)), backend, capsys, {"run-a", "run-b"})
+    reports = run_jobs(jobs)
+    conclude(audit(backend, reports), backend, capsys, {"run-a", "run-b"})
+    assert_all_committed(reports)
 
 
 def test_requeued_job_fences_its_old_copy(
@@ -344,6 +371,7 @@ def test_two_two_rank_jobs_share_a_root(
     reports = run_jobs(jobs)
     assert [len(reports[j]) for j in ("a", "b")] == [2, 2]
     conclude(audit(backend, reports), backend, capsys, {"run-a", "run-b"})
+    assert_all_committed(reports)
 
 
 def test_same_steps_at_the_same_moment(
@@ -368,6 +396,109 @@ def test_same_steps_at_the_same_moment(
     failed = [o for r in (*reports["a"], *reports["b"]) for o in r.outcomes if o.name is None]
     assert suffixed or failed, "no step collided: nothing was tested"
     conclude(result, backend, capsys, {"run-a", "run-b"})
+
+
+# --------------------------------------------------------------------------- many short trials
+#
+# The runs above are one trial each (a launch of fresh processes costs seconds). A run that
+# kept a checkpoint beyond its limit, or a save that failed for the other run's deletes, was
+# seen in 12 and 3 of 29 such trials; catching that needs many trials, so these run two runs
+# as two threads of one process - each with an engine of its own, as a process has - many
+# times. The second run starts a few commits behind the first, so it keeps committing under
+# names the first run's retention has just freed (the trigger), sometimes while it frees
+# them. Before the fix, an 8-step trial failed 17 times in 40 and a 20-step one 28 in 30
+# (local disk): 12 short trials locally, and on S3 - where a save costs ~1 s of requests to
+# the moto server - one long one.
+
+TRIALS = {"local": (12, 8), "s3": (1, 20)}  # (trials, steps of each run)
+
+
+@dataclass
+class Trial:
+    """One run of a trial: what it committed (in order) and which saves failed."""
+
+    engine: CheckpointEngine
+    committed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def two_runs_in_threads(backend: Backend, root: str, steps: int, lag: int) -> dict[str, Trial]:
+    """run-a (synchronous saves) and run-b (asynchronous, starting once run-a committed
+    ``lag`` times) each save ``steps`` steps into ``root`` with keep-last-2."""
+    runs = {
+        run: Trial(
+            CheckpointEngine(
+                root,
+                storage_options=backend.options,
+                coordinator=Coordinator.single_process(),
+                run_id=run,
+                retention=[KeepLastN(2)],
+                async_save=run == "run-b",
+            )
+        )
+        for run in ("run-a", "run-b")
+    }
+    ahead = threading.Semaphore(0)
+
+    def run(run_id: str) -> None:
+        trial = runs[run_id]
+        if run_id == "run-b":
+            for _ in range(lag):
+                ahead.acquire(timeout=JOB_TIMEOUT_S)
+        for step in range(1, steps + 1):
+            try:
+                trial.committed.append(save(trial.engine, step, run_id).name)
+            except Exception as exc:
+                trial.failed.append(f"{run_id} step {step}: {type(exc).__name__}: {exc}")
+            if run_id == "run-a":
+                ahead.release()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOB_TIMEOUT_S)
+        assert not t.is_alive(), "a run of the trial hung"
+    return runs
+
+
+def trial_problems(backend: Backend, root: str, runs: dict[str, Trial]) -> list[str]:
+    """What went wrong in one trial: failed saves, a run keeping other than its two newest
+    commits, a run's own engine not loading its newest."""
+    problems = [f for trial in runs.values() for f in trial.failed]
+    kept: dict[str, set[str]] = defaultdict(set)
+    for info in Catalog(Storage(root, storage_options=backend.options)).scan():
+        kept[str(info.run_id)].add(f"{info.name} ({info.status})")
+    for run_id, trial in runs.items():
+        want = {f"{name} ({VALID})" for name in trial.committed[-2:]}
+        if kept[run_id] != want:
+            problems.append(f"{run_id} kept {sorted(kept[run_id])}, not {sorted(want)}")
+        try:
+            loaded = trial.engine.load(None, trusted=True)
+        except ElasticCheckpointError as exc:
+            problems.append(f"{run_id} cannot load its newest: {exc!r}")
+            continue
+        if loaded.info.name != trial.committed[-1]:
+            problems.append(f"{run_id} loaded {loaded.info.name}, not {trial.committed[-1]}")
+    return problems
+
+
+def test_two_runs_in_one_root_keep_exactly_their_limit_in_every_trial(backend: Backend) -> None:
+    """Two runs (keep-last-2) share a root, the second a few commits behind, many times over:
+    in every trial no save fails, each run keeps exactly its two newest commits, and each
+    run's own engine - whose manifest cache saw the other run's checkpoints under the same
+    names - loads its newest (its cache never takes one run's checkpoint for the other's)."""
+    trials, steps = TRIALS["s3" if backend.root.startswith("s3://") else "local"]
+    problems = []
+    for i in range(trials):
+        root = f"{backend.root}/trial-{i}"
+        runs = two_runs_in_threads(backend, root, steps, lag=3 - i % 2)
+        try:
+            problems += [f"trial {i}: {p}" for p in trial_problems(backend, root, runs)]
+        finally:
+            for trial in runs.values():
+                trial.engine.close()
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- exact interleavings
@@ -467,6 +598,93 @@ def test_a_save_survives_another_runs_retention_during_its_commit(tmp_path: Path
         storage.hooks["listdir:step_000000001"] = x_commits_and_prunes
         assert save(y, 7, "y").name == "step_000000007"
     assert not (root / "step_000000001").exists(), "x's retention ran"
+
+
+def recommitted(root: Path, name: str, run_id: str) -> Manifest:
+    """Replace the checkpoint ``name`` with one of run ``run_id`` committed there by a save
+    of its own (a new save id, its files named after it) whose manifest has exactly the old
+    one's size: what another run's commit under a freed name can look like."""
+    old = Manifest.from_json((root / name / MANIFEST_FILE).read_bytes(), name)
+    new_id = "f" * len(old.save_id)
+    data = {f.path: (root / name / f.path).read_bytes() for f in old.files}
+    shutil.rmtree(root / name)
+    (root / name).mkdir()
+    for path, body in data.items():
+        (root / name / path.replace(old.save_id, new_id)).write_bytes(body)
+    new = dataclasses.replace(
+        old,
+        run_id=run_id,
+        save_id=new_id,
+        files=tuple(
+            dataclasses.replace(f, path=f.path.replace(old.save_id, new_id)) for f in old.files
+        ),
+        dcp_metadata=old.dcp_metadata.replace(old.save_id, new_id),
+    )
+    assert len(new.to_json()) == len(old.to_json())
+    (root / name / MANIFEST_FILE).write_text(new.to_json())
+    return new
+
+
+def test_a_cached_manifest_is_never_taken_for_a_later_commit_under_its_name(
+    tmp_path: Path,
+) -> None:
+    """Run y's engine has read run x's ``step_5``; x's retention deletes it and y commits its
+    own ``step_5`` there, with a manifest of the same size. y's catalog must see y's commit
+    (taking it for x's, y never pruned it and failed to load it: the files x's manifest
+    lists are gone)."""
+    root = tmp_path / "ckpts"
+    with engine("run-x", root=root) as x, engine("run-y", root=root) as y:
+        save(x, 5, "x")
+        assert [i.run_id for i in y.catalog.scan()] == ["run-x"]
+        mine = recommitted(root, "step_000000005", "run-y")
+        (info,) = y.catalog.scan()
+        assert (info.run_id, info.manifest) == ("run-y", mine)
+        assert y.catalog.info("step_000000005").manifest == mine
+
+
+def test_retention_spares_a_checkpoint_committed_under_the_name_while_its_data_goes(
+    tmp_path: Path,
+) -> None:
+    """x's retention deletes x's ``step_1``: the manifest, then its files. Once they are gone,
+    run y (lagging behind) claims the free ``step_1`` and commits there, before x removes the
+    directory. x must leave y's checkpoint (and its claim) alone: it deletes only what it
+    found there before the name was freed."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+    seen: dict[str, Any] = {}
+    with engine("run-x", storage=storage, keep=1) as x, engine("run-y", root=root) as y:
+        last = save(x, 1, "x").manifest
+        assert last is not None
+
+        def y_commits() -> None:
+            try:
+                seen["y"] = save(y, 1, "y").name
+            except Exception as exc:  # x's cleanup would swallow it
+                seen["y"] = exc
+
+        storage.hooks[f"retire:step_000000001/{last.files[-1].path}"] = y_commits
+        save(x, 2, "x")
+    assert seen["y"] == "step_000000001", seen["y"]
+    info = Catalog(Storage(str(root))).info(seen["y"])
+    assert info.status == VALID and info.manifest is not None and info.run_id == "run-y"
+    assert not verify_files(Storage(str(root)).child(info.name), info.manifest, "full")
+
+
+def test_a_claim_whose_directory_another_run_removes_is_written_again(tmp_path: Path) -> None:
+    """x's retention removes the emptied directory of a checkpoint just as y, finding the name
+    free, creates it to write its claim there: the claim fails (ENOENT). y's save must claim
+    the name again and commit, not fail."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+
+    def removed_under_it() -> None:
+        cause = FileNotFoundError(errno.ENOENT, "removed by another run's retention")
+        raise StorageNotFoundError("write", str(root / "step_000000003/_staging.json"), cause)
+
+    storage.hooks["before-write:step_000000003/_staging.json"] = removed_under_it
+    with engine("run-y", storage=storage) as y:
+        assert save(y, 3, "y").name == "step_000000003"
+        assert not storage.hooks, "the claim was never written"
 
 
 def test_a_stale_writer_learns_it_is_stale_whatever_else_fails(tmp_path: Path) -> None:

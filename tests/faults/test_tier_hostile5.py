@@ -262,8 +262,9 @@ def test_a_node_id_that_utf8_cannot_encode_is_a_config_error(tmp_path) -> None:
 
 
 def test_legal_node_ids_of_255_characters_dots_and_backslashes_construct(tmp_path) -> None:
-    # regression guard: ids are no longer file names (the probe hashes them)
-    for i, node in enumerate(["n" * 255, "..", ".", "a\\b", "ümlaut node"]):
+    # regression guard: ids are no longer file names (the probe hashes them); only "." and
+    # ".." themselves are refused (they read as path components)
+    for i, node in enumerate(["n" * 255, "..a", ".b", "a\\b", "ümlaut node"]):
         with CheckpointEngine(
             tmp_path / f"p{i}", local_root=tmp_path / f"l{i}", node=node, async_save=False
         ) as eng:
@@ -272,6 +273,18 @@ def test_legal_node_ids_of_255_characters_dots_and_backslashes_construct(tmp_pat
         assert not any(p.name.startswith(".tier-probe") for p in (tmp_path / f"l{i}").iterdir())
     with pytest.raises(ConfigError):
         check_node_id("n" * 256)
+
+
+@pytest.mark.parametrize("node", ["..", ".", "node\u202e1", "node\u20661", "a\u200bb"])
+def test_a_node_id_from_the_environment_that_is_a_path_component_or_holds_bidi_controls_is_refused(
+    tmp_path, monkeypatch, node
+) -> None:
+    # $LIGHTNING_ELASTIC_NODE (else the host name) is checked as node= is: U+202E (RIGHT-TO-
+    # LEFT OVERRIDE) would make log lines naming the node show other text than they hold
+    monkeypatch.setenv("LIGHTNING_ELASTIC_NODE", node)
+    with pytest.raises(ConfigError, match=r"LIGHTNING_ELASTIC_NODE.*not '\.' or '\.\.'") as info:
+        CheckpointEngine(tmp_path / "persistent", local_root=tmp_path / "local")
+    assert str(info.value).isascii()
 
 
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])

@@ -71,7 +71,8 @@ def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_traine
     tmp_path: object,
 ) -> None:
     """The instance attributes behind ``train_combined_loader``, ``train_loader_mode``,
-    ``train_loader_states``, ``prefetched_batches`` and ``validates_by_time`` exist on a
+    ``train_loader_states``, ``prefetched_batches``, ``pending_loader_states`` and
+    ``validates_by_time`` exist on a
     trainer that has set its data up."""
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -100,5 +101,66 @@ def test_lightning_keeps_the_training_loader_attributes_we_read_on_a_live_traine
     assert combined is not None and hasattr(combined, "_mode")
     assert lightning_compat.train_loader_mode(combined) == "max_size_cycle"
     assert hasattr(trainer, "_val_check_time_interval")
+    assert hasattr(trainer.fit_loop, "_combined_loader_states_to_load")
+    assert lightning_compat.pending_loader_states(trainer) == []
     assert not lightning_compat.validates_by_time(trainer)
     assert lightning_compat.limit_train_batches(64, 0.5) == 32
+
+
+def test_lightning_keeps_what_self_log_leaves_behind_where_we_read_it(tmp_path: object) -> None:
+    """The logger connector's instance attributes behind ``logger_connector_state`` exist on a
+    live trainer, and a ``_ResultMetric`` rebuilt from ``result_entry`` has the very metadata
+    Lightning compares the next ``self.log`` with (else it raises), for every kind of value."""
+    import lightning.pytorch as pl
+    import torchmetrics
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Logging(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = torchmetrics.SumMetric()
+
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.total.update(batch.sum())
+            self.log("mean", out["loss"], on_step=True, on_epoch=True, prog_bar=True)
+            self.log("sum", batch.sum(), reduce_fx="sum", sync_dist=True)
+            self.log("top", batch.max(), reduce_fx=max, on_step=False, on_epoch=True)
+            self.log("low", batch.min(), reduce_fx="min", logger=False)
+            self.log("metric", self.total, on_step=False, on_epoch=True)
+            return out
+
+    live: dict[str, object] = {}
+
+    class Look(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            live.update(lightning_compat.logger_connector_state(trainer))
+            rebuilt = {}
+            for key, metric in lightning_compat.training_results(trainer).items():
+                entry = lightning_compat.result_entry(metric)
+                if not entry["is_tensor"]:
+                    entry["metric"] = pl_module.total
+                rebuilt[key] = lightning_compat.new_result_metric(
+                    trainer, entry, sync_dist=entry["meta"]["sync_dist"]
+                )
+                assert rebuilt[key].meta == metric.meta, key
+                assert rebuilt[key].metric_state.keys() == metric.metric_state.keys()
+            live["rebuilt"] = rebuilt
+
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Look()],
+    )
+    trainer.fit(Logging())
+    assert live["first_loop_iter"] is False and live["current_fx"] == "training_step"
+    assert {"mean", "mean_step", "sum", "low"} <= set(live["callback"])  # type: ignore[arg-type]
+    assert set(live["rebuilt"]) == {  # type: ignore[arg-type]
+        f"training_step.{name}" for name in ("mean", "sum", "top", "low", "metric")
+    }
+    assert not lightning_compat.is_distributed(trainer)
+    assert not lightning_compat.finish_fit_loop_restart(trainer)  # not restarting

@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
+import re
 import signal
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+from lightning_elastic.core.dist.coordinator import Coordinator
+from lightning_elastic.core.engine import CheckpointEngine
+from lightning_elastic.core.observe.history import RunHistory
 from lightning_elastic.core.options import (
     DEFAULT_TIMEOUT,
+    MAX_COUNT,
+    MAX_SECONDS,
+    MIN_SECONDS,
     check_bool,
     check_choice,
     check_count,
+    check_node_id,
+    check_number,
     check_seconds,
     check_signals,
     one_timeout,
 )
-from lightning_elastic.core.policy.retention import KeepBestK, KeepLastN
-from lightning_elastic.core.policy.triggers import EveryInterval, EveryNSteps
+from lightning_elastic.core.policy.cadence import AutoCadence, Continuous
+from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
+from lightning_elastic.core.policy.triggers import EveryInterval, EveryNEpochs, EveryNSteps
+from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.storage.retry import RetryPolicy
 from lightning_elastic.errors import ConfigError
+from lightning_elastic.lightning.callback import DistributedCheckpoint
+from lightning_elastic.lightning.data import ElasticSampler
+from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
+from lightning_elastic.lightning.strategy import ElasticStrategy
+from lightning_elastic.lightning.streaming import ElasticShardedIterable
 
 
-@pytest.mark.parametrize("value", [0, -1, 2.5, 2.0, "3", True, None])
+@pytest.mark.parametrize("value", [0, -1, 2.5, 2.0, "3", True, None, 2**62 + 1, 10**400])
 def test_counts_are_integers_only(value) -> None:
-    with pytest.raises(ConfigError, match=r"n must be an integer >= 1, got"):
+    with pytest.raises(ConfigError, match=r"n must be an integer in \[1, 2\*\*62\], got"):
         check_count(value, "n")
 
 
@@ -84,3 +105,177 @@ def test_policies_use_the_checkers() -> None:
         KeepBestK(1, "loss", "avg")
     with pytest.raises(ConfigError, match="train_time_interval"):
         EveryInterval(float("nan"))
+
+
+# ----------------------------------------------------------------------------- numeric options
+#
+# Every numeric option, wherever it is given, refuses what it cannot represent - 10**400 used to
+# escape float() as an OverflowError - and NaN, infinities, negatives and bools, with a
+# ConfigError naming the option, the value and the allowed range.
+
+
+def _engine(**kw: Any) -> CheckpointEngine:
+    root = kw.pop("root")
+    return CheckpointEngine(root, coordinator=Coordinator.single_process(), **kw)
+
+
+def _tiers(**kw: Any) -> dict[str, Any]:
+    return {"local_dirpath": "/dev/shm/never-written", **kw}
+
+
+NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
+    "every_n_train_steps": lambda v, _: DistributedCheckpoint(every_n_train_steps=v),
+    "every_n_epochs": lambda v, _: DistributedCheckpoint(every_n_epochs=v),
+    "train_time_interval": lambda v, _: DistributedCheckpoint(train_time_interval=v),
+    "mtbf": lambda v, _: DistributedCheckpoint(train_time_interval="auto", mtbf=v),
+    "max_overhead": lambda v, _: DistributedCheckpoint(train_time_interval="auto", max_overhead=v),
+    "min_interval": lambda v, _: DistributedCheckpoint(
+        train_time_interval="continuous", min_interval=v
+    ),
+    "keep_last_n": lambda v, _: DistributedCheckpoint(keep_last_n=v),
+    "keep_every_n_steps": lambda v, _: DistributedCheckpoint(keep_every_n_steps=v),
+    "keep_best_k": lambda v, _: DistributedCheckpoint(keep_best_k=v, monitor="loss"),
+    "timeout": lambda v, _: DistributedCheckpoint(timeout=v),
+    "metrics_port": lambda v, _: DistributedCheckpoint(metrics_port=v),
+    "straggler_factor": lambda v, _: DistributedCheckpoint(straggler_factor=v),
+    "straggler_window": lambda v, _: DistributedCheckpoint(straggler_window=v),
+    "persist_every_n_saves": lambda v, _: DistributedCheckpoint(**_tiers(persist_every_n_saves=v)),
+    "replicas": lambda v, _: DistributedCheckpoint(**_tiers(replicas=v)),
+    "local_keep": lambda v, _: DistributedCheckpoint(**_tiers(local_keep=v)),
+    "checkpoint_timeout": lambda v, _: ElasticStrategy(checkpoint_timeout=v),
+    "global_batch_size": lambda v, _: ElasticStrategy(global_batch_size=v),
+    "tensor_parallel_size": lambda v, _: ElasticFSDPStrategy(tensor_parallel_size=v),
+    "data_parallel_size": lambda v, _: ElasticFSDPStrategy(data_parallel_size=v),
+    "engine timeout": lambda v, root: _engine(root=root, timeout=v),
+    "leftover_grace": lambda v, root: _engine(root=root, leftover_grace=v),
+    "engine replicas": lambda v, root: _engine(root=root, local_root=root / "l", replicas=v),
+    "KeepLastN": lambda v, _: KeepLastN(v),
+    "KeepEveryNSteps": lambda v, _: KeepEveryNSteps(v),
+    "KeepBestK": lambda v, _: KeepBestK(v, "loss"),
+    "EveryNSteps": lambda v, _: EveryNSteps(v),
+    "EveryNEpochs": lambda v, _: EveryNEpochs(v),
+    "EveryInterval": lambda v, _: EveryInterval(v),
+    "Continuous": lambda v, _: Continuous(v),
+    "AutoCadence.mtbf_s": lambda v, _: AutoCadence(mtbf_s=v, nodes=1),
+    "AutoCadence.nodes": lambda v, _: AutoCadence(mtbf_s=3600.0, nodes=v),
+    "AutoCadence.window": lambda v, _: AutoCadence(mtbf_s=3600.0, nodes=1, window=v),
+    "RetryPolicy.deadline_s": lambda v, _: RetryPolicy(deadline_s=v),
+    "RetryPolicy.max_attempts": lambda v, _: RetryPolicy(max_attempts=v),
+    "RetryPolicy.initial_backoff_s": lambda v, _: RetryPolicy(initial_backoff_s=v),
+    "RetryPolicy.max_backoff_s": lambda v, _: RetryPolicy(max_backoff_s=v),
+    "RetryPolicy.multiplier": lambda v, _: RetryPolicy(multiplier=v),
+    "progress_every_s": lambda v, root: RunHistory(
+        Storage(str(root)), run_id="r", progress_every_s=v
+    ),
+    "num_replicas": lambda v, _: ElasticSampler(range(4), num_replicas=v),
+    "rank": lambda v, _: ElasticSampler(range(4), num_replicas=2, rank=v),
+    "batch_size": lambda v, _: ElasticSampler(range(4), batch_size=v),
+    "samples_per_shard": lambda v, _: ElasticShardedIterable(["a"], [v], lambda *a: []),
+    "seed": lambda v, _: ElasticSampler(range(4), seed=v),
+}
+# in the message: what each option is called there
+_CALLED = {
+    "engine timeout": "timeout",
+    "engine replicas": "replicas",
+    "KeepLastN": "keep_last_n",
+    "KeepEveryNSteps": "keep_every_n_steps",
+    "KeepBestK": "keep_best_k",
+    "EveryNSteps": "every_n_train_steps",
+    "EveryNEpochs": "every_n_epochs",
+    "EveryInterval": "train_time_interval",
+    "Continuous": "min_interval",
+    "AutoCadence.mtbf_s": "mtbf",
+    "AutoCadence.nodes": "nodes",
+    "AutoCadence.window": "window",
+    "samples_per_shard": "samples_per_shard of a",
+}
+ABSURD = {
+    "1e400": 10**400,
+    "-1e400": -(10**400),
+    "nan": float("nan"),
+    "inf": float("inf"),
+    "-inf": float("-inf"),
+    "bool": True,
+    "-1": -1,  # but for a seed: torch takes any signed 64-bit one
+}
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        pytest.param(option, value, id=f"{option}-{label}")
+        for option in sorted(NUMERIC_OPTIONS)
+        for label, value in ABSURD.items()
+        if (option, label) != ("seed", "-1")
+    ],
+)
+def test_every_numeric_option_refuses_values_it_cannot_represent(
+    option: str, value: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        NUMERIC_OPTIONS[option](value, tmp_path)
+    message = str(info.value)
+    assert f"{_CALLED.get(option, option)} must be " in message
+    assert repr(value)[:20] in message, message  # the value (10**400 shortened)
+    assert re.search(r" (in [\[(]\S+, \S+[\])]|>=? \S+)", message), message  # the range
+
+
+def test_the_value_of_a_duration_string_is_named_as_written() -> None:
+    with pytest.raises(ConfigError, match=r"mtbf must be a duration .* got '1e400h' \(str\)"):
+        DistributedCheckpoint(train_time_interval="auto", mtbf="1e400h")
+    with pytest.raises(ConfigError, match=r"min_interval .* \(at most a year\), got '400d'"):
+        DistributedCheckpoint(train_time_interval="continuous", min_interval="400d")
+
+
+def test_numbers_at_the_edges_of_their_ranges() -> None:
+    assert check_count(MAX_COUNT, "n") == MAX_COUNT
+    assert check_count(np.int64(3), "n") == 3 and type(check_count(np.int64(3), "n")) is int
+    assert check_seconds(MAX_SECONDS, "t") == MAX_SECONDS
+    assert check_seconds(MIN_SECONDS, "t") == MIN_SECONDS
+    assert check_seconds(0, "t", zero=True) == 0.0
+    assert check_seconds(np.float32(0.5), "t") == 0.5
+    for refused in (MAX_SECONDS * 1.000001, MIN_SECONDS / 2, timedelta.max, timedelta(0)):
+        with pytest.raises(ConfigError, match="t must be a duration"):
+            check_seconds(refused, "t")
+    assert check_number(0.5, "f", low=0, high=1, low_open=True, high_open=True) == 0.5
+    with pytest.raises(ConfigError, match=r"f must be a number in \(0, 1\), got 1 \(int\)"):
+        check_number(1, "f", low=0, high=1, low_open=True, high_open=True)
+    # a node's MTBF may exceed a year (the job's is over the nodes): up to a century
+    assert AutoCadence(mtbf_s="5000d", nodes=1).mtbf_s == 5000 * 86400.0
+    assert DistributedCheckpoint(timeout=timedelta(days=365)).timeout == timedelta(days=365)
+
+
+# ----------------------------------------------------------------------------- node ids
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        ".",
+        "..",
+        "a/b",
+        "",
+        "n" * 256,
+        "node\u202e1",  # RIGHT-TO-LEFT OVERRIDE: "node1" shown as "node" + reversed tail
+        *[f"n{c}1" for c in "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u2066\u2067\u2068\u2069"],
+        "a\u200bb",  # zero-width space: looks like "ab"
+        "a\x00b",
+        "a\tb",
+        "a\x7fb",
+        "a\nb",
+        7,
+    ],
+)
+def test_node_ids_that_are_path_components_or_hold_controls_are_refused(node: Any) -> None:
+    with pytest.raises(ConfigError, match=r"node must be a non-empty UTF-8 name") as info:
+        check_node_id(node)
+    assert str(info.value).isascii()  # the message shows the id escaped: it cannot lie either
+    with pytest.raises(ConfigError):
+        DistributedCheckpoint(local_dirpath="/dev/shm/x", node=node)
+
+
+@pytest.mark.parametrize(
+    "node", ["node-1", "gpu017.cluster", "ümlaut node", "a\\b", "n" * 255, "..a"]
+)
+def test_ordinary_node_ids_are_accepted(node: str) -> None:
+    assert check_node_id(node) == node

@@ -76,6 +76,32 @@ def test_listing_exists_size_delete(storage: Storage) -> None:
     assert storage.listdir("missing") == []
 
 
+def test_delete_tree_leaves_what_is_written_into_it_meanwhile(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another save may claim a freed checkpoint name while its old files are being deleted:
+    what it writes after the listing stays, and so does the directory, without an error."""
+    storage.write_bytes("a/old", b"1")
+    listdir = storage.listdir
+
+    def then_a_claim(rel: str = "") -> list:
+        entries = listdir(rel)
+        if rel == "a":
+            storage.write_bytes("a/claim", b"2")
+        return entries
+
+    monkeypatch.setattr(storage, "listdir", then_a_claim)
+    storage.delete_tree("a")
+    monkeypatch.undo()
+    assert [e.name for e in storage.listdir("a")] == ["claim"]
+    storage.remove_dir("a")  # not empty: left as it is
+    assert storage.read_bytes("a/claim") == b"2"
+    storage.delete("a/claim")
+    storage.remove_dir("a")
+    storage.remove_dir("a")  # missing: nothing to do
+    assert storage.listdir() == []
+
+
 def test_exclusive_create_refuses_existing(storage: Storage) -> None:
     storage.write_bytes("m.json", b"first", exclusive=True)
     with pytest.raises(CheckpointExistsError):
@@ -187,6 +213,26 @@ def test_file_url_uses_the_local_fast_path(tmp_path) -> None:
     assert (tmp_path / "root" / "m.json").read_bytes() == b"{}"
     with pytest.raises(CheckpointExistsError):
         storage.write_bytes("m.json", b"{}", exclusive=True)
+
+
+def test_a_local_directory_removed_while_listed_lists_empty(tmp_path, monkeypatch) -> None:
+    """Another run's retention removes a checkpoint directory between the check that it is
+    one and its listing: empty, as a missing directory is, not a StorageNotFoundError (which
+    failed a save's commit while it scanned the root)."""
+    import os
+    import shutil
+
+    storage = Storage(str(tmp_path))
+    storage.write_bytes("step/f", b"1")
+    scandir = os.scandir
+
+    def removed_first(path):
+        if str(path).endswith("/step"):
+            shutil.rmtree(path)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", removed_first)
+    assert storage.listdir("step") == []
 
 
 def test_direct_writes_whole_pages_and_buffers_the_tail(tmp_path) -> None:

@@ -172,22 +172,32 @@ class CheckpointInfo:
 
 
 class Catalog:
-    """Scans ``storage`` (the checkpoint root). Parsed manifests are cached by name and size,
-    since a committed manifest never changes."""
+    """Scans ``storage`` (the checkpoint root).
+
+    A committed manifest never changes, so parsed manifests are cached; but a directory's
+    name is not a checkpoint's identity: another run sharing the root deletes its checkpoint
+    and this run may commit its own under the freed name, with a manifest of the same size.
+    A cached manifest is therefore used only while the directory holds every file it lists,
+    at the size it records - files named after its save id, unique to that commit - and is
+    read again otherwise (see :meth:`_cached`)."""
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._manifests: dict[tuple[str, int], Manifest] = {}
+        self._manifests: dict[str, tuple[int, Manifest]] = {}  # name -> (its size, manifest)
 
     def scan(self) -> list[CheckpointInfo]:
         """Every checkpoint-like directory (symbolic links and hidden folders are not), oldest
         first in commit order (see :meth:`CheckpointInfo.sort_key`)."""
         infos = []
+        listed = set()
         for entry in self.storage.listdir():
             if entry.is_dir and not entry.name.startswith("."):
+                listed.add(entry.name)
                 info = self._inspect(entry.name, self.storage.listdir(entry.name))
                 if info is not None:
                     infos.append(info)
+        for name in set(self._manifests) - listed:  # deleted (by anyone): never seen again
+            self._manifests.pop(name, None)
         return sorted(infos, key=CheckpointInfo.sort_key)
 
     def info(self, name: str) -> CheckpointInfo:
@@ -206,8 +216,8 @@ class Catalog:
         return [i for i in reversed(self.scan()) if i.status == VALID]
 
     def forget(self, name: str) -> None:
-        """Drop the cached manifests of ``name`` (its manifest was deleted or is being replaced)."""
-        self._manifests = {k: v for k, v in self._manifests.items() if k[0] != name}
+        """Drop the cached manifest of ``name`` (its manifest was deleted or is being replaced)."""
+        self._manifests.pop(name, None)
 
     def quarantine(self, name: str, file: str, reason: str) -> None:
         """Mark ``name`` corrupt (kept on storage for inspection, never selected again)."""
@@ -237,7 +247,7 @@ class Catalog:
                 staging=staging,
             )
         try:
-            manifest = self._read_manifest(name, files[MANIFEST_FILE].size)
+            manifest = self._read_manifest(name, files)
         except StorageNotFoundError:
             return None  # deleted since it was listed (another job's retention): gone
         except UnsupportedFormatError as exc:
@@ -273,17 +283,34 @@ class Catalog:
             return CheckpointInfo(name, location, CORRUPT, manifest, problem, staging, quarantine)
         return CheckpointInfo(name, location, VALID, manifest, staging=staging)
 
-    def _read_manifest(self, name: str, size: int) -> Manifest:
-        cached = self._manifests.get((name, size))
+    def _read_manifest(self, name: str, files: dict[str, Entry]) -> Manifest:
+        cached = self._cached(name, files)
         if cached is not None:
             return cached
         rel = f"{name}/{MANIFEST_FILE}"
-        manifest = Manifest.from_json(self._read(rel), self.storage.display(rel))
+        raw = self._read(rel)
+        manifest = Manifest.from_json(raw, self.storage.display(rel))
         if manifest.name != name.rsplit("/", 1)[-1]:
             # A copied or renamed directory is fine; note it but keep using the data.
             log.debug("checkpoint %s was saved as %s", name, manifest.name)
-        self._manifests[(name, size)] = manifest
+        if manifest.files:
+            self._manifests[name] = (len(raw), manifest)
         return manifest
+
+    def _cached(self, name: str, files: dict[str, Entry]) -> Manifest | None:
+        """The cached manifest of ``name`` when it is the one the directory holds now: the
+        listed manifest has the size it had when read, and every file it records is there at
+        its recorded size. Those files are named after the save (``<save id>-...``), so a
+        checkpoint committed under the same name by another save never passes."""
+        size, cached = self._manifests.get(name, (-1, None))
+        if cached is None:
+            return None
+        if files[MANIFEST_FILE].size == size and all(
+            (entry := files.get(f.path)) is not None and entry.size == f.size for f in cached.files
+        ):
+            return cached
+        self._manifests.pop(name, None)
+        return None
 
     def _read_staging(self, name: str) -> StagingRecord | None:
         rel = f"{name}/{STAGING_FILE}"

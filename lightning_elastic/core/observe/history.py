@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_elastic.core.forksafe import fork_safe_logger
+from lightning_elastic.core.options import check_seconds
 from lightning_elastic.core.storage.base import Entry, Storage
 from lightning_elastic.core.storage.retry import RetryPolicy
 from lightning_elastic.errors import CheckpointExistsError, ConfigError
@@ -136,10 +137,7 @@ class RunHistory:
             raise ConfigError(f"run_id must be a string of at most {_MAX_RUN_ID} characters")
         if session is not None and (not isinstance(session, str) or not _SESSION.match(session)):
             raise ConfigError(f"session must be 1 to 64 letters, digits or '_', got {session!r}")
-        if not (isinstance(progress_every_s, (int, float)) and 0 <= progress_every_s < math.inf):
-            raise ConfigError(
-                f"progress_every_s must be a number of seconds >= 0, got {progress_every_s!r}"
-            )
+        progress_every_s = check_seconds(progress_every_s, "progress_every_s", zero=True)
         self.storage = _short_retry(storage)
         self.run_id = run_id
         self.session: str = session or uuid.uuid4().hex[:12]

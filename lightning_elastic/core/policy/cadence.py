@@ -26,15 +26,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from lightning_elastic.core.options import check_seconds
+from lightning_elastic.core.options import MAX_SECONDS, check_count, check_number, check_seconds
 from lightning_elastic.core.policy.triggers import EveryInterval
 from lightning_elastic.errors import ConfigError
 
 __all__ = [
+    "MAX_MTBF_S",
     "AutoCadence",
     "Cadence",
     "CadenceChoice",
     "Continuous",
+    "check_overhead",
     "mtbf_from_history",
     "parse_duration",
     "slowdown",
@@ -44,9 +46,16 @@ __all__ = [
 _UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(value: object, what: str) -> float:
+#: a node's mean time between failures may well exceed a year (it is the job's, over the
+#: number of nodes, that sets the interval): up to a century
+MAX_MTBF_S = 100 * 365 * 24 * 3600.0
+
+
+def parse_duration(value: object, what: str, *, maximum: float = MAX_SECONDS) -> float:
     """Seconds from a number, a ``timedelta`` or a string such as ``"4h"``, ``"90m"``,
-    ``"1.5d"``, ``"30s"``; :class:`ConfigError` when it is none of these or not positive."""
+    ``"1.5d"``, ``"30s"``; :class:`ConfigError` when it is none of these or not in
+    :func:`~lightning_elastic.core.options.check_seconds`'s range (up to ``maximum``)."""
+    given = value
     if isinstance(value, str):
         text = value.strip().lower()
         scale = 1.0
@@ -61,7 +70,15 @@ def parse_duration(value: object, what: str) -> float:
                 f"{what} must be a duration like '4h', '90m', '30s' or a number of seconds, "
                 f"got {value!r}"
             ) from None
-    return check_seconds(value, what)
+    return check_seconds(value, what, maximum=maximum, given=given)
+
+
+def check_overhead(value: object, name: str = "max_overhead") -> float:
+    """The fraction of training time saves may cost: a number in (0, 1)."""
+    fraction: float = check_number(
+        value, name, low=0, high=1, low_open=True, high_open=True, what="a fraction"
+    )
+    return fraction
 
 
 def young_daly(cost_s: float, mtbf_s: float) -> float:
@@ -119,15 +136,12 @@ class AutoCadence:
         history_mtbf_s: float | None = None,
         window: int = 5,
     ) -> None:
-        if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
-            raise ConfigError(f"max_overhead must be a fraction in (0, 1), got {max_overhead!r}")
-        if nodes < 1:
-            raise ConfigError(f"nodes must be >= 1, got {nodes!r}")
-        self.mtbf_s = mtbf_s
-        self.nodes = nodes
-        self.max_overhead = float(max_overhead)
+        self.max_overhead = check_overhead(max_overhead)
+        self.nodes = check_count(nodes, "nodes")
+        self.mtbf_s = None if mtbf_s is None else parse_duration(mtbf_s, "mtbf", maximum=MAX_MTBF_S)
         self.initial_s = check_seconds(initial_s, "initial interval")
         self.history_mtbf_s = history_mtbf_s
+        window = check_count(window, "window")
         self._costs: deque[float] = deque(maxlen=window)
         self._writes: deque[float] = deque(maxlen=window)
         self.choice = CadenceChoice(self.initial_s, 0.0, 0.0, self.job_mtbf_s, "initial")
@@ -222,18 +236,11 @@ class Cadence:
         if value is None:
             return cls()
         if value == "auto":
-            if not (
-                isinstance(max_overhead, (int, float))
-                and not isinstance(max_overhead, bool)
-                and 0 < max_overhead < 1
-            ):
-                raise ConfigError(
-                    f"max_overhead must be a fraction in (0, 1), got {max_overhead!r}"
-                )
-            mtbf_s = None if mtbf is None else parse_duration(mtbf, "mtbf")
+            overhead = check_overhead(max_overhead)
+            mtbf_s = None if mtbf is None else parse_duration(mtbf, "mtbf", maximum=MAX_MTBF_S)
             return cls(
                 interval=EveryInterval(cls.AUTO_INITIAL_S),
-                auto={"mtbf_s": mtbf_s, "max_overhead": float(max_overhead)},
+                auto={"mtbf_s": mtbf_s, "max_overhead": overhead},
             )
         if value == "continuous":
             seconds = 60.0 if min_interval is None else parse_duration(min_interval, "min_interval")

@@ -36,6 +36,7 @@ from lightning_elastic.core.format.catalog import (
     Catalog,
     CheckpointInfo,
     is_checkpoint_name,
+    is_save_file,
 )
 from lightning_elastic.core.format.manifest import (
     MANIFEST_FILE,
@@ -65,12 +66,38 @@ def delete_checkpoint(
 ) -> None:
     """Manifest first (the checkpoint stops existing), then the data. ``listed``: the files
     its manifest listed (complete when committed, so nobody writes them): retired, which
-    lets a local root reuse them (:meth:`Storage.retire`); any other file is deleted."""
+    lets a local root reuse them (:meth:`Storage.retire`); any other file is deleted.
+
+    Once the manifest is gone the name is free, and another run sharing the root may claim
+    it while the data is still being deleted (its claim succeeds once the old files are
+    gone). What is deleted is therefore what the directory held *before* the manifest went,
+    less another save's claim and a record still being written (its temporary file); the
+    directory itself only when nothing else is left in it."""
+    held = storage.listdir(name)
     storage.delete(f"{name}/{MANIFEST_FILE}")
     catalog.forget(name)
     for path in listed:
         storage.retire(f"{name}/{path}")
-    storage.delete_tree(name)
+    retired = {*listed, MANIFEST_FILE}
+    saves = {e.name.split("-", 1)[0] for e in held if is_save_file(e.name)}  # the doomed save's
+    for entry in held:
+        rel = f"{name}/{entry.name}"
+        if entry.name in retired or _in_flight_record(entry.name):
+            continue
+        if entry.name == STAGING_FILE:
+            claim = _claim_of(storage, name)
+            if claim is not None and claim.save_id not in saves:
+                continue  # another save claimed the freed name: its directory now
+        if entry.is_dir:
+            storage.delete_tree(rel)
+        else:
+            storage.delete(rel)
+    storage.remove_dir(name)  # unless another save's files are in it by now
+
+
+def _in_flight_record(file: str) -> bool:
+    """A claim or manifest being published (``_staging.json.tmp-*``): another save's."""
+    return file.startswith((f"{STAGING_FILE}.tmp-", f"{MANIFEST_FILE}.tmp-"))
 
 
 def discard_uncommitted(storage: Storage, name: str, save_id: str, *, keep_record: bool) -> None:

@@ -44,7 +44,12 @@ from lightning_elastic.core.format.manifest import (
 from lightning_elastic.core.format.skeleton import Skeleton, merge
 from lightning_elastic.core.save.request import PlannedSave
 from lightning_elastic.core.save.walk import StateWalk, walk_state
-from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError, Phase
+from lightning_elastic.errors import (
+    CheckpointExistsError,
+    CheckpointSaveError,
+    Phase,
+    StorageNotFoundError,
+)
 
 __all__ = [
     "SMALL_REPLICATED_BUDGET",
@@ -267,7 +272,7 @@ def _claim(ctx: SaveContext, request: SaveRequest, record: StagingRecord) -> int
         if storage.exists(f"{name}/{MANIFEST_FILE}") or storage.exists(f"{name}/{QUARANTINE_FILE}"):
             continue
         try:
-            storage.write_bytes(f"{name}/{STAGING_FILE}", body, exclusive=True)
+            _write_claim(storage, name, body)
         except CheckpointExistsError:
             continue  # another save holds it (in flight, or crashed and not yet collected)
         if not _claimed_alone(storage, name):
@@ -275,6 +280,21 @@ def _claim(ctx: SaveContext, request: SaveRequest, record: StagingRecord) -> int
             continue
         return attempt
     raise CheckpointExistsError(f"too many checkpoints of step {request.step}")
+
+
+def _write_claim(storage: Storage, name: str, body: bytes, tries: int = 3) -> None:
+    """Create ``name``'s claim exclusively. A free name may be one whose checkpoint another
+    run's retention is deleting right now: its last step removes the (then empty) directory,
+    which can fall between our creating the directory and our writing into it. The claim is
+    then written again (the name is still free); a directory that keeps vanishing is taken as
+    taken (:class:`CheckpointExistsError`)."""
+    for _ in range(tries):
+        try:
+            storage.write_bytes(f"{name}/{STAGING_FILE}", body, exclusive=True)
+            return
+        except StorageNotFoundError:
+            continue
+    raise CheckpointExistsError(f"{storage.display(name)} vanished {tries} times while claimed")
 
 
 def _claimed_alone(storage: Storage, name: str) -> bool:

@@ -157,7 +157,9 @@ class Storage:
 
     def delete_tree(self, rel: str) -> None:
         """Delete a directory and everything below it; missing is not an error. Symbolic
-        links are removed, never followed."""
+        links are removed, never followed. What is written into it meanwhile (after the
+        listing this deletes from: another save claiming a freed name) is left, and so is the
+        directory then (see :meth:`remove_dir`)."""
         if not check_rel_path(rel):
             raise StorageError("delete", self.display(rel), "refusing to delete the storage root")
         if self._is_link(rel):
@@ -169,6 +171,14 @@ class Storage:
                 self.delete_tree(child)
             else:
                 self.delete(child)
+        self.remove_dir(rel)
+
+    def remove_dir(self, rel: str) -> None:
+        """Remove the directory ``rel`` if it is empty; one that is missing, or holds anything
+        (written by someone else meanwhile), is left as it is. Object stores have no
+        directories: nothing to do there."""
+        if not check_rel_path(rel):
+            raise StorageError("delete", self.display(rel), "refusing to delete the storage root")
         self._call("delete", rel, lambda: self._rmdir(self.full(rel)))
 
     def __repr__(self) -> str:
@@ -242,7 +252,8 @@ class Storage:
         self.delete(rel)
 
     def _rmdir(self, path: str) -> None:
-        """Remove the (now empty) directory at the backend path ``path``, if it exists."""
+        """Remove the directory at the backend path ``path`` if it exists and is empty (else
+        leave it: no error)."""
         raise NotImplementedError
 
     def _copy(self) -> Storage:

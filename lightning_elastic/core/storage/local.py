@@ -356,8 +356,12 @@ class LocalStorage(Storage):
         def ls() -> list[Entry]:
             if not os.path.isdir(path) or (rel.strip("/") and os.path.islink(path)):
                 return []
+            try:
+                items = list(os.scandir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                return []  # removed since the check (another run's retention): empty
             entries = []
-            for item in os.scandir(path):
+            for item in items:
                 try:
                     stat = item.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -391,8 +395,13 @@ class LocalStorage(Storage):
         self._call("delete", rel, rm)
 
     def _rmdir(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
 
 
 _NO_SPARE: tuple[SparePool | None, int] = (None, 0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from lightning_elastic.core.forksafe import fork_safe_logger
+from lightning_elastic.core.options import check_count, check_number, check_seconds
 from lightning_elastic.errors import (
     ConfigError,
     ElasticCheckpointError,
@@ -134,17 +135,16 @@ class RetryPolicy:
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.deadline_s <= 0:
-            raise ConfigError(f"RetryPolicy.deadline_s must be > 0, got {self.deadline_s}")
-        if self.max_attempts < 0:
-            raise ConfigError(f"RetryPolicy.max_attempts must be >= 0, got {self.max_attempts}")
-        if not 0 < self.initial_backoff_s <= self.max_backoff_s:
+        check_seconds(self.deadline_s, "RetryPolicy.deadline_s")
+        check_count(self.max_attempts, "RetryPolicy.max_attempts", minimum=0)
+        check_seconds(self.initial_backoff_s, "RetryPolicy.initial_backoff_s")
+        check_seconds(self.max_backoff_s, "RetryPolicy.max_backoff_s")
+        if self.initial_backoff_s > self.max_backoff_s:
             raise ConfigError(
-                "RetryPolicy needs 0 < initial_backoff_s <= max_backoff_s, got "
+                "RetryPolicy needs initial_backoff_s <= max_backoff_s, got "
                 f"{self.initial_backoff_s} and {self.max_backoff_s}"
             )
-        if self.multiplier < 1:
-            raise ConfigError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
+        check_number(self.multiplier, "RetryPolicy.multiplier", low=1)
 
 
 def retry_call(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T]) -> T:

@@ -1,0 +1,338 @@
+"""LitData's StreamingDataset / StreamingDataLoader resumed through our checkpoints: exact at the
+same world size across epoch boundaries (0 and 2 loader workers, drop_last both ways), epochs
+where an uninterrupted run at the new size puts them after 2 -> 3 -> 2 -> 1 ranks, every
+sample once per epoch except what LitData's elastic resume repeats (and a warning says so), and
+a dataset built before the process group fixed or refused.
+
+One dataset of 96 samples in 8 chunks (``litdata.optimize``, once per module); one launch at 2
+ranks runs the same-world fits and starts the chain that 3, 2 and 1 ranks continue."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+from typing import Any
+
+import pytest
+
+from lightning_elastic.errors import DataShardingError
+from lightning_elastic.testing.spawn import run_distributed
+from tests.elastic import journal
+from tests.lightning import litdata_workers as w
+
+litdata = pytest.importorskip("litdata")
+
+from lightning_elastic.lightning import litdata_loaders, litdata_plan  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+EPOCHS = 4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return w.write(tmp_path_factory.mktemp("litdata") / "data")
+
+
+# ---------------------------------------------------------------------- in one process
+
+
+def loader_at(monkeypatch, data, world, rank, workers, batch, drop_last=True):
+    """A StreamingDataLoader as rank ``rank`` of ``world`` would build it (LitData reads the
+    rank from the environment when there is no process group)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("GLOBAL_RANK", str(rank))
+    dataset = w.streaming_dataset(data, drop_last=drop_last)
+    return litdata.StreamingDataLoader(dataset, batch_size=batch, num_workers=workers)
+
+
+def saved_state(monkeypatch, data, world, workers, batch, batches, drop_last=True):
+    """The state a StreamingDataLoader at this topology saves after ``batches`` batches of its
+    first epoch (what Lightning puts in the checkpoint)."""
+    loader = loader_at(monkeypatch, data, world, 0, workers, batch, drop_last)
+    len(loader)
+    loader._num_samples_yielded_streaming = batches * batch
+    loader.current_epoch = loader.dataset.current_epoch = 1
+    return copy.deepcopy(loader.state_dict())
+
+
+def yielded(monkeypatch, data, state, world, workers, batch, drop_last=True):
+    """Per rank, the batches and sample ids LitData yields resuming ``state`` at this topology
+    (every worker of every rank read in this process, as its DataLoader worker would)."""
+    from litdata.utilities.env import _WorkerEnv
+
+    batches, ids = [], collections.Counter()
+    for rank in range(world):
+        count = 0
+        for worker in range(max(1, workers)):
+            loader = loader_at(monkeypatch, data, world, rank, workers, batch, drop_last)
+            loader.load_state_dict(copy.deepcopy(state))
+            loader.dataset._forced_worker_env = _WorkerEnv(max(1, workers), worker)
+            items = list(loader.dataset)
+            ids.update(int(item[0]) for item in items)
+            count += -(-len(items) // batch)
+        batches.append(count)
+    return tuple(batches), ids
+
+
+def trained_before(monkeypatch, data, world, workers, batch, batches, drop_last=True):
+    """The ids the first ``batches`` batches of every rank trained in a fresh epoch 1 (the
+    DataLoader takes batch i from worker i mod workers)."""
+    from litdata.utilities.env import _WorkerEnv
+
+    ids: collections.Counter = collections.Counter()
+    for rank in range(world):
+        for worker in range(max(1, workers)):
+            loader = loader_at(monkeypatch, data, world, rank, workers, batch, drop_last)
+            len(loader)
+            loader.dataset._forced_worker_env = _WorkerEnv(max(1, workers), worker)
+            loader.dataset.set_epoch(1)
+            mine = sum(1 for i in range(batches) if i % max(1, workers) == worker)
+            stream = iter(loader.dataset)
+            ids.update(int(next(stream)[0]) for _ in range(mine * batch))
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("saved", "batches", "now", "drop_last", "expected"),
+    [
+        # 2 -> 3 ranks, 0 -> 2 workers: 48 done, 48 left, 4 batches a rank (the chain below)
+        ((2, 0, 4), 6, (3, 2, 4), True, {"batches": (4, 4, 4)}),
+        # 3 ranks x 2 workers -> 2 ranks: 60 done, rounded down to 56 (global batches of 8)
+        ((3, 2, 4), 5, (2, 0, 4), True, {"batches": (5, 5), "repeated": 4}),
+        ((2, 0, 4), 4, (1, 0, 4), True, {"batches": (16,)}),
+        # 40 done per rank, more than a rank's whole epoch at 3 (32): LitData raised; 80 done
+        # are rounded down to 72 (global batches of 12): 8 again
+        ((2, 0, 4), 10, (3, 0, 4), True, {"batches": (2, 2, 2), "repeated": 8}),
+        # without drop_last, 96 - 15 samples left in batches of 5: ranks 0 and 1 get 6
+        # batches, rank 2 gets 5; the loop runs 5 on each (and 24 done are rounded down to 15)
+        ((2, 0, 4), 3, (3, 0, 5), False, {"batches": (6, 6, 5), "repeated": 9, "uneven": 2}),
+    ],
+    ids=["2to3-workers", "3to2-repeats", "2to1", "2to3-late", "2to3-uneven"],
+)
+def test_the_resume_plan_is_what_litdata_yields(
+    monkeypatch, data, saved, batches, now, drop_last, expected
+) -> None:
+    state = saved_state(monkeypatch, data, *saved, batches, drop_last)
+    world, workers, batch = now
+    loader = loader_at(monkeypatch, data, world, 0, workers, batch, drop_last)
+    assert litdata_plan.elastic(loader, state, world)
+    plan = litdata_plan.resume_plan(loader, state, world)
+    assert dataclass_fields(plan) == {
+        "repeated": 0,
+        "skipped": 0,
+        "dropped": 0,
+        "uneven": 0,
+        **expected,
+    }
+    litdata_plan.prepare_state(loader, state, world)
+    got, ids = yielded(monkeypatch, data, state, world, workers, batch, drop_last)
+    assert got == plan.batches
+    assert sum(ids.values()) == len(ids), "LitData's resumed pass yields a sample twice"
+    before = trained_before(monkeypatch, data, *saved, batches, drop_last)
+    assert sum(1 for i in ids if i in before) == plan.repeated
+
+
+def dataclass_fields(plan: Any) -> dict[str, Any]:
+    return {k: getattr(plan, k) for k in ("batches", "repeated", "skipped", "dropped", "uneven")}
+
+
+def test_litdata_alone_fails_a_late_resume_at_more_ranks(monkeypatch, data) -> None:
+    # what prepare_state corrects: 40 samples yielded per rank at 2 ranks, more than the 32 of
+    # a rank's whole epoch at 3, although the elastic resume reads sample_in_epoch only
+    state = saved_state(monkeypatch, data, 2, 0, 4, 10)
+    with pytest.raises(ValueError, match="num_samples_yielded"):
+        yielded(monkeypatch, data, state, 3, 0, 4)
+
+
+def test_a_partly_read_chunk_is_counted_as_skipped_with_the_window_shuffle(
+    monkeypatch, data
+) -> None:
+    # LitData's window shuffle (parallel file systems) resumes whole chunks only
+    monkeypatch.setenv("LITDATA_POSIX_FAST", "1")
+    state = saved_state(monkeypatch, data, 1, 0, 4, 2, drop_last=False)  # 8 of a chunk of 12
+    loader = loader_at(monkeypatch, data, 2, 0, 0, 4, drop_last=False)
+    plan = litdata_plan.resume_plan(loader, state, 2)
+    litdata_plan.prepare_state(loader, state, 2)
+    got, ids = yielded(monkeypatch, data, state, 2, 0, 4, drop_last=False)
+    assert got == plan.batches
+    before = trained_before(monkeypatch, data, 1, 0, 4, 2, drop_last=False)
+    assert plan.skipped == 4 and not set(ids) & set(before)
+    assert w.N - len(set(ids) | set(before)) == plan.skipped + plan.dropped
+
+
+def test_a_dataset_built_before_the_process_group_is_fixed_when_only_its_rank_is_wrong(
+    monkeypatch, data, caplog
+) -> None:
+    # under torchrun: WORLD_SIZE is set, GLOBAL_RANK is not, so every rank reads as rank 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("GLOBAL_RANK", raising=False)
+    loader = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=True), batch_size=4)
+    assert loader.dataset.distributed_env.global_rank == 0
+    agreed = []
+    with caplog.at_level(logging.WARNING, "lightning_elastic"):
+        litdata_loaders.check_ranks(
+            loader, rank=1, replicas=2, all_agree=lambda ok: agreed.append(ok) or ok
+        )
+    assert agreed == [True]
+    env = loader.dataset.distributed_env
+    assert (env.world_size, env.global_rank) == (2, 1)
+    assert "would have read rank 0's samples on rank 1" in caplog.text
+    assert "train_dataloader()" in caplog.text
+    # rank 1's half, not rank 0's
+    fixed = {int(s[0]) for s in loader.dataset}
+    monkeypatch.setenv("GLOBAL_RANK", "0")
+    rank0 = {int(s[0]) for s in w.streaming_dataset(data, drop_last=True)}
+    assert len(fixed) == len(rank0) == w.N // 2 and not fixed & rank0
+
+
+def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(monkeypatch, data) -> None:
+    # Lightning's own launcher: rank 0 built it before WORLD_SIZE was set (a world of 1, no
+    # drop_last); the other ranks agree to refuse with it
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("GLOBAL_RANK", raising=False)
+    loader = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=None), batch_size=4)
+    with pytest.raises(DataShardingError, match=r"world of 1 \(rank 0\).*train_dataloader\(\)"):
+        litdata_loaders.check_ranks(loader, rank=0, replicas=2, all_agree=lambda ok: ok)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fine = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=True), batch_size=4)
+    with pytest.raises(DataShardingError, match="another rank"):
+        litdata_loaders.check_ranks(fine, rank=0, replicas=2, all_agree=lambda ok: False)
+
+
+def test_the_litdata_internals_we_rely_on_are_there() -> None:
+    assert not litdata_plan.missing(), f"LitData {litdata.__version__} moved them"
+
+
+# ---------------------------------------------------------------------- multi-process
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data, tmp_path_factory) -> dict[str, Any]:
+    """One launch at 2 ranks: the same-world fits, and the chain's first part."""
+    root = tmp_path_factory.mktemp("two")
+    ranks = run_distributed(
+        w.same_world, 2, str(root), data, max_epochs=3, chain_crash_at=8, timeout=360
+    )
+    return {"root": root, "ranks": ranks}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["w0", "w2"], ids=["0workers-drop_last", "2workers"])
+def test_same_world_resume_is_exact_across_epoch_boundaries(two_ranks, config) -> None:
+    for rank in two_ranks["ranks"]:
+        run = rank[config]
+        reference, resumed = run["reference"], run["resumed"]
+        assert run["crashed"]["crashed"] and not resumed["crashed"]
+        assert resumed["resumed_from"].endswith("step_000000015")  # mid-epoch 1 of 3
+        assert resumed["seen"] == [s for s in reference["seen"] if s[0] >= 15]
+        assert resumed["losses"] == [s for s in reference["losses"] if s[0] >= 15]  # bitwise
+        assert (resumed["global_step"], resumed["current_epoch"]) == (36, 3)
+    ends = [r for r in journal.read(two_ranks["root"] / config / "run" / "journal")]
+    last = max(r["inc"] for r in ends)
+    ends = [(r["epoch"], r["step"]) for r in ends if r["kind"] == "epoch_end" and r["inc"] == last]
+    assert sorted(set(ends)) == [(1, 24), (2, 36)], "an epoch end without its batches"
+
+
+@pytest.mark.slow
+def test_a_resume_after_the_save_at_an_epochs_end_continues_litdatas_epochs(two_ranks) -> None:
+    # max_steps=12 stops (and saves) at the end of epoch 0; Lightning loads no loader state
+    # into a loop whose epoch ended, so LitData started over at its epoch 1 (epoch 0's order
+    # again); it continues with its epoch 2
+    for rank in two_ranks["ranks"]:
+        reference, run = rank["w0"]["reference"], rank["boundary"]
+        assert run["stopped"]["global_step"] == 12
+        resumed = run["resumed"]
+        assert resumed["resumed_from"].endswith("step_000000012")
+        # the same batches (the losses differ: the RNG saved at the end of a fit misses the
+        # seed the next epoch's DataLoader iterator draws, with any loader)
+        assert resumed["seen"] == [s for s in reference["seen"] if s[0] >= 12]
+        assert (resumed["global_step"], resumed["current_epoch"]) == (36, 3)
+
+
+@pytest.mark.slow
+def test_a_dataset_built_before_the_process_group_reads_its_own_rank(two_ranks) -> None:
+    # the 0-worker resumption above built its dataset before the process group (exact: rank
+    # 1 read rank 1's samples); rank 1 said what it fixed, rank 0 had nothing to fix
+    logs = [rank["w0"]["resumed"]["log"] for rank in two_ranks["ranks"]]
+    fixed = ["would have read rank 0's samples on rank 1" in m for m in logs[1]]
+    assert sum(fixed) == 1
+    assert not any("set up before the process group" in m for m in logs[0])
+
+
+@pytest.mark.slow
+def test_world_size_changes_end_every_epoch_where_its_data_ends(two_ranks, data) -> None:
+    # 96 samples, batch 4, every=3. 2 ranks crashed at 8: resume from 6, mid-epoch 0 (12 a
+    # rank). 3 ranks x 2 workers: 48 done, 48 left, 4 batches; epoch 0 ends at 10; epoch 1
+    # (8) crashes at 16: resume from 15, 5 of its batches done (60 samples). 2 ranks: 60
+    # rounded down to 56 (global batches of 8): 4 samples again (warned), 40 left, 5
+    # batches; epoch 1 ends at 20; epoch 2 (12) crashes at 26: resume from 24, 4 done. 1
+    # rank: 32 done, 64 left: epoch 2 ends at 40; epoch 3 (24) ends at 64
+    root = two_ranks["root"] / "chain"
+    assert all(rank["chain"]["crashed"] for rank in two_ranks["ranks"])
+    plan = [(3, 2, 16), (2, 0, 26), (1, 0, -1)]
+    logs = {}
+    for world, workers, crash_at in plan:
+        results = run_distributed(
+            w.fit,
+            world,
+            str(root),
+            data,
+            max_epochs=EPOCHS,
+            workers=workers,
+            crash_at=crash_at,
+            timeout=300,
+        )
+        assert all(r["crashed"] == (crash_at > 0) for r in results)
+        logs[world] = results[0]["log"]
+    assert (results[0]["global_step"], results[0]["current_epoch"]) == (64, EPOCHS)
+    records = journal.read(root / "journal")
+    last = {}
+    for r in records:
+        if r["kind"] == "epoch_end" and "rank0" in r["file"]:
+            last[r["epoch"]] = (r["step"], r["num_training_batches"], r["batches"], r["world"])
+    assert last == {0: (10, 10, 4, 3), 1: (20, 10, 5, 2), 2: (40, 20, 16, 1), 3: (64, 24, 24, 1)}
+    per_epoch = journal.samples_per_epoch(records, 64)
+    for epoch, counts in per_epoch.items():
+        assert set(counts) == set(range(w.N)), f"epoch {epoch} misses samples"
+        repeated = sum(counts.values()) - len(counts)
+        assert repeated == (4 if epoch == 1 else 0), f"epoch {epoch}: {repeated} twice"
+    warned = [m for m in logs[2] if "cannot train every sample of epoch" in m]
+    assert len(warned) == 1 and "4 sample(s) trained before the save are dealt again" in warned[0]
+    assert not any("cannot train every sample" in m for m in logs[3] + logs[1])
+
+
+@pytest.mark.parametrize("corrected", [True, False], ids=["corrected", "litdata-alone"])
+def test_a_second_resume_at_the_new_topology_continues_the_elastic_plan(
+    monkeypatch, data, corrected
+) -> None:
+    # 2 ranks -> 3 ranks x 2 workers after 3 batches; 2 more batches there, saved, resumed
+    # at 3 x 2 again. The state saved with workers lacked resume_mode="elastic" (only a
+    # dataset iterated in the main process records it): LitData then replayed the fresh
+    # epoch's plan, training again samples of before both saves
+    from litdata.utilities.env import _WorkerEnv
+
+    first = saved_state(monkeypatch, data, 2, 0, 4, 3)
+    loader = loader_at(monkeypatch, data, 3, 0, 2, 4)
+    if corrected:
+        litdata_plan.prepare_state(loader, first, 3)
+    done = trained_before(monkeypatch, data, 2, 0, 4, 3)
+    for rank in range(3):  # the 2 batches each rank trained at 3 x 2 (one from each worker)
+        for worker in range(2):
+            reader = loader_at(monkeypatch, data, 3, rank, 2, 4)
+            reader.load_state_dict(copy.deepcopy(first))
+            reader.dataset._forced_worker_env = _WorkerEnv(2, worker)
+            stream = iter(reader.dataset)
+            done.update(int(next(stream)[0]) for _ in range(4))
+    loader.load_state_dict(copy.deepcopy(first))
+    len(loader)
+    loader._num_samples_yielded_streaming = 2 * 4
+    second = copy.deepcopy(loader.state_dict())
+    assert litdata_plan.elastic(loader, second, 3) == corrected
+    got, ids = yielded(monkeypatch, data, second, 3, 2, 4)
+    again = sum(1 for i in ids if i in done)
+    if corrected:  # 6 batches a rank at 3 x 2, 2 done: 4 left
+        assert got == litdata_plan.resume_plan(loader, second, 3).batches == (4, 4, 4)
+        assert again == 0 and sum(ids.values()) == w.N - sum(done.values())
+    else:
+        assert again > 0
