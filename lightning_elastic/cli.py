@@ -95,10 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_elastic.launcher import main as launch
 
         return launch(argv[1:])
-    if argv[:1] == ["lighthouse"]:  # torchft's Lighthouse in the foreground
-        from lightning_elastic.lighthouse import main as lighthouse
-
-        return lighthouse(argv[1:])
     as_json = "--json" in argv
     try:
         args = _parser().parse_args(argv)
@@ -184,11 +180,17 @@ def _parser() -> argparse.ArgumentParser:
         "use up --max-restarts; --warm-start forks workers with torch and Lightning imported",
     )
 
-    sub.add_parser(
+    from lightning_elastic import lighthouse
+
+    p = sub.add_parser(
         "lighthouse",
         help="torchft's Lighthouse for replica groups (strategy='elastic_ft'), in the "
-        "foreground until SIGTERM/Ctrl-C; see `lightning-elastic lighthouse --help`",
+        "foreground until SIGTERM/Ctrl-C",
+        description=lighthouse.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    lighthouse.add_arguments(p)
+    p.set_defaults(func=lighthouse.serve)
 
     def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)

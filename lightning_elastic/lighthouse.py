@@ -21,33 +21,84 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from lightning_elastic.errors import ConfigError
 
-__all__ = ["main"]
-
-EXIT_USAGE = 2
+__all__ = ["Lighthouse", "add_arguments", "serve"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-elastic lighthouse",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+class Lighthouse:
+    """torchft's Lighthouse in this process (for one machine, tests and notebooks): serves
+    until :meth:`close` (or the end of a ``with`` block); :attr:`address` is what groups
+    connect to (``http://127.0.0.1:PORT`` when bound to all interfaces or to loopback).
+
+    Args:
+        bind: ``host:port`` to listen on (port 0: any free port).
+        min_replica_groups: the fewest groups a quorum may have.
+        heartbeat_timeout: seconds without a heartbeat before a group is out.
+        join_timeout: after a change, seconds to wait for every live group before forming the
+            quorum without the late ones.
+        quorum_tick: seconds between looks at a pending quorum.
+    """
+
+    def __init__(
+        self,
+        bind: str = "[::]:0",
+        *,
+        min_replica_groups: int = 1,
+        heartbeat_timeout: float = 1.0,
+        join_timeout: float = 0.5,
+        quorum_tick: float = 0.05,
+    ) -> None:
+        from lightning_elastic.core.options import check_count
+        from lightning_elastic.core.replicas import _compat as ft
+
+        ft.require()
+        self.server = ft.lighthouse_server(
+            bind=_check_bind(bind),
+            min_replicas=check_count(min_replica_groups, "min_replica_groups"),
+            heartbeat_timeout_ms=_milliseconds(heartbeat_timeout, "heartbeat_timeout"),
+            join_timeout_ms=_milliseconds(join_timeout, "join_timeout"),
+            quorum_tick_ms=_milliseconds(quorum_tick, "quorum_tick"),
+        )
+        host = bind.rpartition(":")[0]
+        port = self.server.address().rpartition(":")[2]
+        local = host in ("[::]", "0.0.0.0", "127.0.0.1", "localhost", "[::1]")
+        self.address = f"http://127.0.0.1:{port}" if local else self.server.address()
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The verb's options (see the module docstring), on ``parser``."""
+    parser.add_argument("--bind", default="[::]:29510", metavar="HOST:PORT", help="%(default)s")
+    parser.add_argument(
+        "--min-replica-groups", type=int, default=1, metavar="N", help="default %(default)s"
     )
-    parser.add_argument("--bind", default="[::]:29510", metavar="HOST:PORT")
-    parser.add_argument("--min-replica-groups", type=int, default=1, metavar="N")
-    parser.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="S")
-    parser.add_argument("--join-timeout", type=float, default=0.5, metavar="S")
-    parser.add_argument("--quorum-tick", type=float, default=0.05, metavar="S")
-    return parser
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=1.0, metavar="S", help="default %(default)s"
+    )
+    parser.add_argument(
+        "--join-timeout", type=float, default=0.5, metavar="S", help="default %(default)s"
+    )
+    parser.add_argument(
+        "--quorum-tick", type=float, default=0.05, metavar="S", help="default %(default)s"
+    )
 
 
 def _milliseconds(seconds: float, name: str) -> int:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {seconds!r}")
     if not (seconds > 0) or seconds > 86400:
         raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {seconds}")
     return max(1, round(seconds * 1000))
@@ -78,37 +129,25 @@ def serve(args: argparse.Namespace, *, ready: Any = None) -> int:
 
 
 def _serve(args: argparse.Namespace, stop: threading.Event) -> None:
-    from lightning_elastic.core.replicas import _compat as ft
-
-    if args.min_replica_groups < 1:
-        raise ConfigError(f"--min-replica-groups must be >= 1, got {args.min_replica_groups}")
-    options: dict[str, Any] = {
-        "bind": _check_bind(args.bind),
-        "min_replicas": int(args.min_replica_groups),
-        "heartbeat_timeout_ms": _milliseconds(args.heartbeat_timeout, "--heartbeat-timeout"),
-        "join_timeout_ms": _milliseconds(args.join_timeout, "--join-timeout"),
-        "quorum_tick_ms": _milliseconds(args.quorum_tick, "--quorum-tick"),
-    }
-    ft.require()
     if stop.is_set():
         return
     try:
-        server = ft.lighthouse_server(**options)
+        lighthouse = Lighthouse(
+            args.bind,
+            min_replica_groups=args.min_replica_groups,
+            heartbeat_timeout=args.heartbeat_timeout,
+            join_timeout=args.join_timeout,
+            quorum_tick=args.quorum_tick,
+        )
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(f"the Lighthouse could not start on {args.bind}: {exc}") from exc
     try:
-        print(f"lighthouse: serving on {server.address()} (bind {args.bind})", flush=True)
+        print(
+            f"lighthouse: serving on {lighthouse.server.address()} (bind {args.bind})", flush=True
+        )
         while not stop.wait(0.2):
             pass
     finally:
-        server.shutdown()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the verb on ``argv`` (the arguments after ``lighthouse``)."""
-    try:
-        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-        return serve(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        lighthouse.close()

@@ -24,23 +24,16 @@ ft = pytest.importorskip("torchft", reason="replica groups need torchft (the ft 
 
 
 class Lighthouse:
-    """torchft's Lighthouse on a free port of this process."""
+    """torchft's Lighthouse on a free port of this process (a 1 s heartbeat timeout)."""
 
     def __init__(self, *, heartbeat_s: float = 1.0, join_s: float = 0.5) -> None:
-        from lightning_elastic.core.replicas import _compat
+        from lightning_elastic.lighthouse import Lighthouse as Server
 
-        self.server = _compat.lighthouse_server(
-            bind="[::]:0",
-            min_replicas=1,
-            heartbeat_timeout_ms=int(heartbeat_s * 1000),
-            join_timeout_ms=int(join_s * 1000),
-            quorum_tick_ms=50,
-        )
-        port = self.server.address().rsplit(":", 1)[1]
-        self.address = f"http://127.0.0.1:{port}"
+        self.server = Server(heartbeat_timeout=heartbeat_s, join_timeout=join_s)
+        self.address = self.server.address
 
     def close(self) -> None:
-        self.server.shutdown()
+        self.server.close()
 
 
 class Group:
