@@ -182,15 +182,15 @@ def _parser() -> argparse.ArgumentParser:
 
     from lightning_elastic import lighthouse
 
-    p = sub.add_parser(
+    beacon = sub.add_parser(
         "lighthouse",
         help="torchft's Lighthouse for replica groups (strategy='elastic_ft'), in the "
         "foreground until SIGTERM/Ctrl-C",
         description=lighthouse.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    lighthouse.add_arguments(p)
-    p.set_defaults(func=lighthouse.serve)
+    lighthouse.add_arguments(beacon)
+    beacon.set_defaults(func=lighthouse.serve)
 
     def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)

@@ -45,6 +45,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
+from lightning_elastic.core.format.catalog import split_location
 from lightning_elastic.core.options import check_choice, check_signals
 from lightning_elastic.core.policy.triggers import SignalFlag
 from lightning_elastic.core.replicas.group import ReplicaGroup, ReplicaOptions, unflatten_into
@@ -163,6 +164,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         self.replicas: ReplicaGroup | None = None
         self.role: ReplicaRole | None = None
         self._leader_since: int | None = None
+        self._led: dict[str, int | None] = {}  # checkpoint root -> leadership its lease is of
         self._flag: SignalFlag | None = None
         self._pending_checkpoint: dict[str, Any] | None = None
         self._data: ReplicaData | None = None
@@ -300,6 +302,30 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             record_planned_exit(code, int(trainer.global_step))
             raise SystemExit(code)
         super().on_train_batch_start(batch, batch_idx)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """``trainer.save_checkpoint`` (and Lightning's ``ModelCheckpoint``, on by default):
+        only the leader group writes; the groups hold equal state, and every group writing the
+        same path would collide. A group that leads again after another did takes the lease of
+        that checkpoint root anew first."""
+        role = self.role
+        if self.replicas is not None and role is not None and not role.leader:
+            return
+        if self.replicas is not None and role is not None:
+            root, _ = split_location(filepath)
+            engine = self._session(self._trainer()).engine(root)
+            if self._led.get(root) != role.leader_since:
+                engine.take_over(renew=True)
+                self._led[root] = role.leader_since
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Only the leader group deletes (``ModelCheckpoint``'s top-k rotation)."""
+        if self.replicas is not None and self.role is not None and not self.role.leader:
+            return
+        super().remove_checkpoint(filepath)
 
     def replica_checkpoint_state(self) -> dict[str, Any] | None:
         """What a durable checkpoint holds of the replica groups: the data queue and torchft's

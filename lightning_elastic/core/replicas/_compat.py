@@ -170,6 +170,9 @@ def make_manager(
         heartbeat_interval=heartbeat_interval,
         checkpoint_transport=transport,
         init_sync=init_sync,
+        # a lost Lighthouse: its server retries the quorum about once a second (with a new
+        # connection each time) until the quorum timeout, so a restarted Lighthouse is found
+        quorum_retries=max(1, int(quorum_timeout.total_seconds())),
     )
     manager.register_state_dict_fn(key, put_state, get_state)
     return manager
