@@ -11,6 +11,7 @@ error at the next ``save``/``wait``/``close`` (or from the handle's ``result()``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -45,14 +46,21 @@ from lightning_elastic.core.load.select import RUN_NAMED, quarantine, select_che
 from lightning_elastic.core.options import check_run_name, tier_options
 from lightning_elastic.core.policy.retention import KeepBestK, KeepLastN, RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, stage_save
-from lightning_elastic.core.save.plan import plan_save
+from lightning_elastic.core.save.plan import PlanCache, plan_save
 from lightning_elastic.core.save.replicated import (
     PER_RANK_KEY,
     PER_RANK_VALUES_KEY,
     ReplicationCheck,
     encode_paths,
 )
-from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveRequest, SaveResult
+from lightning_elastic.core.save.request import (
+    PlannedSave,
+    RunState,
+    SaveConfig,
+    SaveRequest,
+    SaveResult,
+    SaveTarget,
+)
 from lightning_elastic.core.save.stage import HostArena, Payload
 from lightning_elastic.core.save.write import check_compression
 from lightning_elastic.core.storage.base import Storage
@@ -200,25 +208,26 @@ class CheckpointEngine:
         coord = self.coordinator
         agreed_run_id = coord.broadcast(Phase.INIT, lambda: run_id or uuid.uuid4().hex[:12])
         self.catalog = Catalog(storage)
-        self._tiers: TierSet | None = None
-        written, local_retention = storage, tuple(retention)
+        self._run = RunState(agreed_run_id)
+        config = SaveConfig(
+            checksum=checksum,
+            compression=compression,
+            timeout_s=timeout.total_seconds(),
+            leftover_grace_s=grace.total_seconds(),
+            retention=tuple(retention),
+        )
+        written, catalog = storage, self.catalog
         if local_root is not None:
             written = Storage(local_root)
-            local_retention = (KeepLastN(2 if local_keep is None else local_keep),)
-            self._tiers = TierSet(
-                coordinator=coord,
-                local=written,
-                persistent=storage,
-                persist_every_n_saves=1 if persist_every_n_saves is None else persist_every_n_saves,
-                replicas=1 if replicas is None else replicas,
-                retention=tuple(retention),
-                node=node,
-                timeout=timeout,
-                grace_s=grace.total_seconds(),
+            catalog = Catalog(written)
+            config = dataclasses.replace(
+                config,
+                retention=(KeepLastN(2 if local_keep is None else local_keep),),
+                small_replicated_to_lowest=True,
             )
-        self._ctx = SaveContext(
+        self._target = SaveTarget(
             storage=written,
-            catalog=self.catalog if self._tiers is None else Catalog(written),
+            catalog=catalog,
             coordinator=coord,
             channel=CommitChannel(
                 coord.store,
@@ -227,15 +236,21 @@ class CheckpointEngine:
                 namespace=coord.key("commit"),
                 timeout_s=timeout.total_seconds(),
             ),
-            run_id=agreed_run_id,
-            checksum=checksum,
-            compression=compression,
-            timeout_s=timeout.total_seconds(),
             arena=HostArena(pin_memory=torch.cuda.is_available()),
-            retention=local_retention,
-            leftover_grace_s=grace.total_seconds(),
-            small_replicated_to_lowest=self._tiers is not None,
+            config=config,
         )
+        self._tiers: TierSet | None = None
+        if local_root is not None:
+            self._tiers = TierSet(
+                self._target,
+                self._run,
+                persistent=storage,
+                persist_every_n_saves=1 if persist_every_n_saves is None else persist_every_n_saves,
+                replicas=1 if replicas is None else replicas,
+                retention=tuple(retention),
+                node=node,
+            )
+        self._plan_cache: PlanCache | None = None
         self.last_recovery: Recovery | None = None  # multi-tier: what the last load did
         self._explicit_run = run_id is not None
         self._replicas = ReplicationCheck()
@@ -259,12 +274,12 @@ class CheckpointEngine:
     def run_id(self) -> str:
         """The run id of this engine's saves, agreed by all ranks (a load may adopt the loaded
         checkpoint's run)."""
-        return self._ctx.run_id
+        return self._run.run_id
 
     @property
     def resumed_from(self) -> str | None:
         """The name of the checkpoint this engine last loaded, or ``None``."""
-        return self._ctx.resumed_from
+        return self._run.resumed_from
 
     @property
     def multi_tier(self) -> bool:
@@ -276,19 +291,19 @@ class CheckpointEngine:
         """Where loads read checkpoints: the root, or with ``local_root`` the node-local root
         (recovery gathers the checkpoint there from the fastest tier; ``dirpath`` may not
         hold it)."""
-        return self._ctx.storage
+        return self._target.storage
 
     @property
     def arena(self) -> HostArena:
         """The host buffer asynchronous saves stage into, reused across saves."""
-        return self._ctx.arena
+        return self._target.arena
 
     def check_writable(self) -> None:
         """Every rank writes and deletes a small probe file in the root, so a root that is a
         file, cannot be created or lacks credentials fails now, on every rank, with a
         :class:`ConfigError` naming each rank's error, rather than at the first save."""
 
-        roots = [self.storage] if self._tiers is None else [self.storage, self._ctx.storage]
+        roots = [self.storage] if self._tiers is None else [self.storage, self._target.storage]
 
         def probe() -> str | None:
             rel = f".probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -344,7 +359,7 @@ class CheckpointEngine:
         if not self._ready_for_new_save():
             return None
         request = self._request(step, epoch, metrics, metadata, name, overwrite)
-        to_persist = self._tiers is not None and self._tiers.decide(self._ctx, persist)
+        to_persist = self._tiers is not None and self._tiers.decide(persist)
         state_dict = _to_state_dict(state)
         for reserved in (RANK_LOCAL_KEY, PER_RANK_KEY):
             if reserved in state_dict:
@@ -361,12 +376,15 @@ class CheckpointEngine:
                 local = {**(local or {}), PER_RANK_VALUES_KEY: split.values}
             if local is not None:
                 state_dict[RANK_LOCAL_KEY] = {str(self.rank): local}
-            planned = plan_save(self._ctx, state_dict, request, split.walk)
+            planned = plan_save(
+                self._target, self._run, state_dict, request, split.walk, self._plan_cache
+            )
+            self._plan_cache = planned.cache
             del split  # its walk dies inside the pause: alive at its end, the collector
             # scans it (60,000 objects at 20,000 tensors: 7-17 ms of every save)
             is_blocking = (not self.async_save) if blocking is None else blocking
             stage_start = time.monotonic()
-            payload = stage_save(self._ctx, planned, copy=not is_blocking)
+            payload = stage_save(self._target, planned, copy=not is_blocking)
             staging_s = time.monotonic() - stage_start
         future: Future[SaveResult]
         if is_blocking:
@@ -393,7 +411,7 @@ class CheckpointEngine:
         if handle is not None and not (handle.error_seen and handle.done()):
             result = handle.result()
         if self._tiers is not None:
-            self._tiers.wait(self._ctx)
+            self._tiers.wait()
         return result
 
     def persist_latest(self) -> bool:
@@ -402,7 +420,7 @@ class CheckpointEngine:
         (or no tiers)."""
         self._check_open()
         self.wait()
-        return self._tiers is not None and self._tiers.persist_latest(self._ctx)
+        return self._tiers is not None and self._tiers.persist_latest()
 
     def _finish(
         self,
@@ -415,8 +433,8 @@ class CheckpointEngine:
         """The background part of a save: write and commit (and, multi-tier, replicate and
         hand the persist over)."""
         if self._tiers is None:
-            return finish_save(self._ctx, planned, payload, blocked_s, staging_s)
-        return self._tiers.finish(self._ctx, planned, payload, blocked_s, staging_s, persist)
+            return finish_save(self._target, self._run, planned, payload, blocked_s, staging_s)
+        return self._tiers.finish(planned, payload, blocked_s, staging_s, persist)
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and release threads and buffers."""
@@ -431,7 +449,7 @@ class CheckpointEngine:
                 self._executor = None
             if self._tiers is not None:
                 self._tiers.close()
-            self._ctx.arena.release()
+            self._target.arena.release()
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -447,7 +465,7 @@ class CheckpointEngine:
         check_verify_mode(verify)
         if self._tiers is not None:
             filters = Filters(run_id=self._run_filter())
-            return choose(self._tiers, self._ctx, filters)
+            return choose(self._tiers, filters)
         return select_checkpoint(
             self.storage, self.catalog, self.coordinator, None, verify, run_id=self._run_filter()
         )
@@ -623,7 +641,6 @@ class CheckpointEngine:
         )
         info, result, self.last_recovery = recover(
             self._tiers,
-            self._ctx,
             state,
             filters=filters,
             verify=verify,
@@ -638,13 +655,11 @@ class CheckpointEngine:
         self, info: CheckpointInfo, result: LoadResult, adopt_run: bool, take_over: bool
     ) -> LoadResult:
         """After a successful load: lineage, protection, the run id, the lease."""
-        self._ctx.resumed_from = info.name
-        self._ctx.parent = info.name
-        self._ctx.protected.add(info.name)
+        self._run.loaded(info.name)
         if adopt_run and info.run_id and not self._explicit_run:
-            if info.run_id != self._ctx.run_id:
+            if info.run_id != self._run.run_id:
                 log.info("resuming run %s from %s", info.run_id, info.location)
-            self._ctx.run_id = info.run_id
+            self._run.adopt(info.run_id)
         if take_over:
             self.take_over()
         log.info("loaded checkpoint %s (step %s)", info.location, info.step)
@@ -664,15 +679,15 @@ class CheckpointEngine:
         still-running older copy of the job cannot commit from here on (see
         :mod:`~lightning_elastic.core.dist.lease`). Call it once the job is sure to continue
         the run; the first save takes it otherwise."""
-        ctx = self._ctx
+        run, target = self._run, self._target
 
         tiers = self._tiers
 
         def take() -> None:
-            if ctx.lease is None or ctx.lease.run_id != ctx.run_id:
-                ctx.lease = take_lease(ctx.storage, ctx.run_id)
+            if run.lease is None or run.lease.run_id != run.run_id:
+                run.lease = take_lease(target.storage, run.run_id)
             if tiers is not None and (p := tiers.persistent).lease is None:
-                p.lease = take_lease(p.storage, ctx.run_id)
+                p.lease = take_lease(p.storage, run.run_id)
 
         self.coordinator.broadcast(Phase.LOAD, take, error=CheckpointLoadError)
 

@@ -39,7 +39,6 @@ from lightning_elastic.core.format.manifest import MANIFEST_FILE, FileRecord, Ma
 from lightning_elastic.core.load.load import LoadResult, Targets, files_to_read, load_checkpoint
 from lightning_elastic.core.load.per_rank import PerRankRule
 from lightning_elastic.core.load.select import RUN_NAMED
-from lightning_elastic.core.save.request import SaveContext
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.tiers.inventory import NodeScan, adoptable, holdings, scan_node
 from lightning_elastic.core.tiers.recovery import (
@@ -107,7 +106,6 @@ class Filters:
 
 def recover(
     tiers: TierSet,
-    ctx: SaveContext,
     state: dict[str, Any] | None,
     *,
     filters: Filters,
@@ -120,15 +118,15 @@ def recover(
     """Every rank: the module's steps; the loaded checkpoint, the load's result and the
     recovery record of this rank."""
     start = time.monotonic()
-    coord = ctx.coordinator
+    coord = tiers.coordinator
     excluded: set[str] = set()
     for _ in range(_ATTEMPTS):
         surveys = coord.all_gather(
-            Phase.LOAD_SELECT, functools.partial(_survey, tiers, ctx, filters, frozenset(excluded))
+            Phase.LOAD_SELECT, functools.partial(_survey, tiers, filters, frozenset(excluded))
         )
         choice = _plan(tiers, surveys, excluded)
         plan = choice.plan
-        ctx.sequence_floor = max([ctx.sequence_floor, *(c.order[1] for c in choice.candidates)])
+        tiers.run.raise_floor(c.order[1] for c in choice.candidates)
         if plan.checkpoint is None:
             where = (
                 f"{tiers.persistent.storage.display()} or the node-local roots "
@@ -144,9 +142,9 @@ def recover(
                 "directory holding committed checkpoints"
             )
         name = plan.checkpoint
-        text = _manifest_text(tiers, ctx, choice, name)
-        _drop_conflicting(tiers, ctx, choice, name)
-        manifest = Manifest.from_json(text, ctx.storage.display(name))
+        text = _manifest_text(tiers, choice, name)
+        _drop_conflicting(tiers, choice, name)
+        manifest = Manifest.from_json(text, tiers.local.display(name))
         held = choice.held.get(tiers.node, {})  # this node's copies (the lead's scan)
         needs: dict[int, set[str]] = {}
         done: list[RecoveryPlan] = []  # plans whose fetches were made (for the record)
@@ -157,26 +155,24 @@ def recover(
             first = _global_files(manifest)
             leads = {tiers.layout.lead(node): first for node in tiers.layout.names}
             done.append(plan.narrowed(leads))
-            bad = _gather(tiers, ctx, manifest, done[-1], held, verify, first)
+            bad = _gather(tiers, manifest, done[-1], held, verify, first)
             if bad is not None:
                 excluded |= bad
                 continue
-            needs = _needs(tiers, ctx, manifest, state, strict, targets)
+            needs = _needs(tiers, manifest, state, strict, targets)
             plan = plan.narrowed({lead: files - first for lead, files in needs.items()})
         mine = needs.get(tiers.layout.lead(tiers.node))
-        bad = _gather(tiers, ctx, manifest, plan, held, verify, mine)
+        bad = _gather(tiers, manifest, plan, held, verify, mine)
         if bad is not None:
             excluded |= bad
             continue
-        info, result = _load(
-            tiers, ctx, state, name, text, strict, trusted, per_rank_rules, targets
-        )
-        record = _record(tiers, ctx, info, [*done, plan], time.monotonic() - start, mine)
+        info, result = _load(tiers, state, name, text, strict, trusted, per_rank_rules, targets)
+        record = _record(tiers, info, [*done, plan], time.monotonic() - start, mine)
         assert info.manifest is not None
         tiers.resumed(info.manifest, persisted=choice.winners[name].persisted)
         return info, result, record
     raise _error(
-        ctx,
+        tiers,
         tiers.persistent.storage.display(),
         f"recovery gave up after {_ATTEMPTS} attempts (corrupt copies kept turning up); "
         "inspect the node-local roots with `lightning-elastic ls DIR --local PATH`",
@@ -185,7 +181,6 @@ def recover(
 
 def _gather(
     tiers: TierSet,
-    ctx: SaveContext,
     manifest: Manifest,
     plan: RecoveryPlan,
     held: Mapping[str, Mapping[str, int]],
@@ -195,9 +190,9 @@ def _gather(
     """Verify the node's copies among ``files`` (``None``: all) with ``verify="full"``, then
     make the plan's fetches. ``None`` when done, else what to exclude from the next attempt
     (an empty set: a corrupt copy was deleted, the nodes hold less now)."""
-    if verify == "full" and _drop_corrupt(tiers, ctx, manifest, plan, held, files):
+    if verify == "full" and _drop_corrupt(tiers, manifest, plan, held, files):
         return set()
-    return _fetch(tiers, ctx, manifest, plan)
+    return _fetch(tiers, manifest, plan)
 
 
 def _global_files(manifest: Manifest) -> set[str]:
@@ -207,7 +202,6 @@ def _global_files(manifest: Manifest) -> set[str]:
 
 def _needs(
     tiers: TierSet,
-    ctx: SaveContext,
     manifest: Manifest,
     state: dict[str, Any] | None,
     strict: bool,
@@ -221,11 +215,11 @@ def _needs(
     ``1 + replicas`` nodes, as the save did: losing another node before the next save still
     leaves a recoverable checkpoint), and the metadata. A node with a rank that cannot plan
     its load is left out (it gets every file)."""
-    coord, name = ctx.coordinator, manifest.name
-    info = CheckpointInfo(name, ctx.storage.display(name), VALID, manifest)
+    coord, name = tiers.coordinator, manifest.name
+    info = CheckpointInfo(name, tiers.local.display(name), VALID, manifest)
 
     def mine() -> list[str] | None:
-        files = files_to_read(ctx.storage, coord, info, state, strict=strict, targets=targets)
+        files = files_to_read(tiers.local, coord, info, state, strict=strict, targets=targets)
         return None if files is None else sorted(f"{name}/{path}" for path in files)
 
     gathered = coord.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
@@ -244,50 +238,49 @@ def _needs(
     return {lead: files | _global_files(manifest) for lead, files in needs.items()}
 
 
-def _error(ctx: SaveContext, what: str, message: str) -> CheckpointLoadError:
+def _error(tiers: TierSet, what: str, message: str) -> CheckpointLoadError:
     """The error every rank raises (each with the same message) for a failed recovery."""
-    failure = RankFailure(ctx.coordinator.rank, Phase.LOAD, "RecoveryError", message)
+    failure = RankFailure(tiers.coordinator.rank, Phase.LOAD, "RecoveryError", message)
     return CheckpointLoadError(what, [failure])
 
 
-def choose(tiers: TierSet, ctx: SaveContext, filters: Filters) -> CheckpointInfo | None:
+def choose(tiers: TierSet, filters: Filters) -> CheckpointInfo | None:
     """Every rank: the checkpoint a recovery would load now (survey and plan, nothing moved),
     as an info built from its manifest, or ``None``."""
-    surveys = ctx.coordinator.all_gather(
-        Phase.LOAD_SELECT, functools.partial(_survey, tiers, ctx, filters, frozenset())
+    surveys = tiers.coordinator.all_gather(
+        Phase.LOAD_SELECT, functools.partial(_survey, tiers, filters, frozenset())
     )
     choice = _plan(tiers, surveys, set())
     name = choice.plan.checkpoint
     if name is None:
         return None
-    manifest = Manifest.from_json(_manifest_text(tiers, ctx, choice, name), name)
-    return CheckpointInfo(name, ctx.storage.display(name), VALID, manifest)
+    manifest = Manifest.from_json(_manifest_text(tiers, choice, name), name)
+    return CheckpointInfo(name, tiers.local.display(name), VALID, manifest)
 
 
-def _drop_conflicting(tiers: TierSet, ctx: SaveContext, choice: _Choice, name: str) -> None:
+def _drop_conflicting(tiers: TierSet, choice: _Choice, name: str) -> None:
     """A node whose copy of ``name`` is another (older) checkpoint gives that copy up: its
     manifest goes first, then the chosen one's files and manifest arrive like on a node that
     had none. A node-local copy is a cache; the other checkpoint lives on where it was."""
-    if name in choice.conflicted.get(tiers.node, ()) and tiers.layout.is_lead(ctx.coordinator.rank):
+    lead = tiers.layout.is_lead(tiers.coordinator.rank)
+    if name in choice.conflicted.get(tiers.node, ()) and lead:
         log.warning(
             "dropping %s on node %s: it is another checkpoint than the newer %s being recovered",
-            ctx.storage.display(name),
+            tiers.local.display(name),
             tiers.node,
             name,
         )
-        ctx.storage.delete(f"{name}/{MANIFEST_FILE}")
-        ctx.catalog.forget(name)
+        tiers.local.delete(f"{name}/{MANIFEST_FILE}")
+        tiers.target.catalog.forget(name)
 
 
-def _survey(
-    tiers: TierSet, ctx: SaveContext, filters: Filters, excluded: frozenset[str]
-) -> _Survey:
-    rank = ctx.coordinator.rank
+def _survey(tiers: TierSet, filters: Filters, excluded: frozenset[str]) -> _Survey:
+    rank = tiers.coordinator.rank
     scan = None
     occupied: tuple[CheckpointCandidate, ...] = ()
     if tiers.layout.is_lead(rank):
-        whole = scan_node(ctx.storage)
-        scan = _filtered(whole, ctx, tiers, filters, excluded)
+        whole = scan_node(tiers.local)
+        scan = _filtered(whole, tiers, filters, excluded)
         kept = {c.name for c in scan.candidates} | excluded
         occupied = tuple(c for c in whole.candidates if c.name not in kept)
     persistent: tuple[CheckpointCandidate, ...] = ()
@@ -308,14 +301,14 @@ def _eligible(manifest: Manifest, tiers: TierSet, filters: Filters, local: bool)
 
 
 def _filtered(
-    scan: NodeScan, ctx: SaveContext, tiers: TierSet, filters: Filters, excluded: frozenset[str]
+    scan: NodeScan, tiers: TierSet, filters: Filters, excluded: frozenset[str]
 ) -> NodeScan:
     keep = []
     for cand in scan.candidates:
         if cand.name in excluded:
             continue
         try:
-            info = ctx.catalog.info(cand.name)
+            info = tiers.target.catalog.info(cand.name)
         except Exception:
             continue
         if info.manifest is not None and _eligible(info.manifest, tiers, filters, local=True):
@@ -429,24 +422,24 @@ def _same(a: CheckpointCandidate, b: CheckpointCandidate) -> bool:
     return tuple(a.order) == tuple(b.order) and dict(a.files) == dict(b.files)
 
 
-def _manifest_text(tiers: TierSet, ctx: SaveContext, choice: _Choice, name: str) -> str:
+def _manifest_text(tiers: TierSet, choice: _Choice, name: str) -> str:
     """The chosen checkpoint's manifest, from a node (or the persistent root) holding that
     checkpoint under its name, not another one."""
     winner = choice.winners[name]
 
     def mine() -> list[str]:
-        rank, texts = ctx.coordinator.rank, []
+        rank, texts = tiers.coordinator.rank, []
         lost = choice.conflicted.get(tiers.node, frozenset())
         if tiers.layout.is_lead(rank) and name not in lost:
             with contextlib.suppress(Exception):
-                texts.append(ctx.storage.read_bytes(f"{name}/{MANIFEST_FILE}").decode())
+                texts.append(tiers.local.read_bytes(f"{name}/{MANIFEST_FILE}").decode())
         if rank == 0:
             with contextlib.suppress(Exception):
                 p = tiers.persistent.storage
                 texts.append(p.read_bytes(f"{name}/{MANIFEST_FILE}").decode())
         return texts
 
-    gathered = ctx.coordinator.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
+    gathered = tiers.coordinator.all_gather(Phase.LOAD_SELECT, mine, error=CheckpointLoadError)
     for text in (t for texts in gathered for t in texts):
         try:
             m = Manifest.from_json(text, name)
@@ -455,16 +448,15 @@ def _manifest_text(tiers: TierSet, ctx: SaveContext, choice: _Choice, name: str)
         files = {f"{name}/{f.path}": f.size for f in m.files}
         if (m.sequence, m.created_unix) == tuple(winner.order[1:3]) and files == winner.files:
             return text
-    raise _error(ctx, name, "no tier holds its manifest any more (it vanished during recovery)")
+    raise _error(tiers, name, "no tier holds its manifest any more (it vanished during recovery)")
 
 
-def _my_fetches(tiers: TierSet, ctx: SaveContext, plan: RecoveryPlan) -> list[Any]:
-    return [f for f in plan.fetches if f.dst_rank == ctx.coordinator.rank]
+def _my_fetches(tiers: TierSet, plan: RecoveryPlan) -> list[Any]:
+    return [f for f in plan.fetches if f.dst_rank == tiers.coordinator.rank]
 
 
 def _drop_corrupt(
     tiers: TierSet,
-    ctx: SaveContext,
     manifest: Manifest,
     plan: RecoveryPlan,
     held: Mapping[str, Mapping[str, int]],
@@ -473,7 +465,7 @@ def _drop_corrupt(
     """Each lead hashes its node's copies of the chosen checkpoint (``held``: name -> files,
     among ``files``: those its ranks read; ``None``: all); corrupt ones are deleted. ``True``
     (everywhere) when some node had one."""
-    rank, name = ctx.coordinator.rank, manifest.name
+    rank, name = tiers.coordinator.rank, manifest.name
 
     def check() -> list[str]:
         if not tiers.layout.is_lead(rank):
@@ -488,20 +480,20 @@ def _drop_corrupt(
                 continue
             if files is not None and rel not in files:
                 continue  # not read here: checked where it is read (or sent)
-            got = ctx.storage.hash_file(rel, manifest.checksum_algorithm)
+            got = tiers.local.hash_file(rel, manifest.checksum_algorithm)
             if got.checksum != record.checksum:
                 log.warning(
                     "the node-local copy %s is corrupt (checksum %s, the manifest says %s): "
                     "deleting it; it is fetched from another tier",
-                    ctx.storage.display(rel),
+                    tiers.local.display(rel),
                     got.checksum,
                     record.checksum,
                 )
-                ctx.storage.delete(rel)
+                tiers.local.delete(rel)
                 bad.append(rel)
         return bad
 
-    found = ctx.coordinator.all_gather(Phase.LOAD_VERIFY, check, error=CheckpointLoadError)
+    found = tiers.coordinator.all_gather(Phase.LOAD_VERIFY, check, error=CheckpointLoadError)
     return any(found)
 
 
@@ -527,18 +519,16 @@ def _routes(plan: RecoveryPlan) -> tuple[list[Fetch], list[Fetch]]:
     return downloads, relays
 
 
-def _fetch(
-    tiers: TierSet, ctx: SaveContext, manifest: Manifest, plan: RecoveryPlan
-) -> set[str] | None:
+def _fetch(tiers: TierSet, manifest: Manifest, plan: RecoveryPlan) -> set[str] | None:
     """Make every node's copy complete: downloads first (each rank its share), then the
     node-to-node copies (the relays of the downloads among them). ``None`` when done, else
     what to exclude from the next attempt: the checkpoint when its persistent copy is corrupt
     (quarantined there), nothing when a corrupt local source was deleted (fewer copies)."""
-    coord, rank = ctx.coordinator, ctx.coordinator.rank
+    coord, rank = tiers.coordinator, tiers.coordinator.rank
     records = {f"{manifest.name}/{f.path}": f for f in manifest.files}
     alg = manifest.checksum_algorithm
-    for f in _my_fetches(tiers, ctx, plan):  # a wrong-size copy is not held: make room
-        ctx.storage.delete(f.file)
+    for f in _my_fetches(tiers, plan):  # a wrong-size copy is not held: make room
+        tiers.local.delete(f.file)
     downloads, relays = _routes(plan)
     transfers = [
         Transfer(f.src_rank, f.dst_rank, f.file, f.size, records[f.file].checksum, alg)
@@ -551,7 +541,7 @@ def _fetch(
         for f in downloads:
             if f.dst_rank == rank:
                 try:
-                    _download(tiers.persistent.storage, ctx.storage, f.file, records[f.file], alg)
+                    _download(tiers.persistent.storage, tiers.local, f.file, records[f.file], alg)
                 except IntegrityError as exc:
                     outcome["persistent_corrupt"] = [f.file, exc.reason]
         if transfers and tiers.group is not None:
@@ -560,7 +550,7 @@ def _fetch(
                     transfers,
                     rank=rank,
                     group=tiers.group,
-                    storage=ctx.storage,
+                    storage=tiers.local,
                     timeout=tiers.timeout,
                 )
             except TransferError as exc:
@@ -569,7 +559,7 @@ def _fetch(
                         raise
                     t = failure.transfer  # "source" / "integrity": plan again
                     if failure.kind == "integrity" and t.src == rank:
-                        ctx.storage.delete(t.path)  # our copy is the corrupt one
+                        tiers.local.delete(t.path)  # our copy is the corrupt one
                     outcome["retry"] = True
         return outcome
 
@@ -590,7 +580,6 @@ def _fetch(
 
 def _load(
     tiers: TierSet,
-    ctx: SaveContext,
     state: dict[str, Any] | None,
     name: str,
     text: str,
@@ -600,19 +589,19 @@ def _load(
     targets: Targets | None,
 ) -> tuple[CheckpointInfo, LoadResult]:
     """Each other lead writes the manifest beside the files; every rank loads its node's copy."""
-    coord = ctx.coordinator
+    coord = tiers.coordinator
 
     def commit() -> None:
-        if tiers.layout.is_lead(coord.rank) and not ctx.storage.exists(f"{name}/{MANIFEST_FILE}"):
-            ctx.storage.write_bytes(f"{name}/{MANIFEST_FILE}", text.encode(), exclusive=True)
+        if tiers.layout.is_lead(coord.rank) and not tiers.local.exists(f"{name}/{MANIFEST_FILE}"):
+            tiers.local.write_bytes(f"{name}/{MANIFEST_FILE}", text.encode(), exclusive=True)
 
     coord.all_gather(Phase.LOAD, commit, error=CheckpointLoadError)
-    ctx.catalog.forget(name)
-    info = ctx.catalog.info(name)
+    tiers.target.catalog.forget(name)
+    info = tiers.target.catalog.info(name)
     if info.status != VALID:
-        raise _error(ctx, info.location, f"the node-local copy is {info.status.value}")
+        raise _error(tiers, info.location, f"the node-local copy is {info.status.value}")
     result = load_checkpoint(
-        ctx.storage,
+        tiers.local,
         coord,
         info,
         state,
@@ -626,7 +615,6 @@ def _load(
 
 def _record(
     tiers: TierSet,
-    ctx: SaveContext,
     info: CheckpointInfo,
     plans: Sequence[RecoveryPlan],
     seconds: float,
@@ -666,7 +654,7 @@ def _record(
     # which tier a restart read is what an operator looks for first
     log.warning(
         "rank %d on node %s recovered %s from %s: local %d B, peer %d B, persistent %d B (%.2f s)",
-        ctx.coordinator.rank,
+        tiers.coordinator.rank,
         tiers.node,
         info.name,
         tier,
