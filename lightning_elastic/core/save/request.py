@@ -19,9 +19,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM
+from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
+from lightning_elastic.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -51,7 +53,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SaveConfig:
-    """How saves are written and cleaned up (validated by the engine, fixed for its life)."""
+    """How saves are written and cleaned up, fixed for an engine's life; validated here
+    (``ConfigError`` naming the engine's option)."""
 
     checksum: str = DEFAULT_ALGORITHM
     compression: str | None = None
@@ -61,6 +64,19 @@ class SaveConfig:
     # rank 0 writes the small replicated items (save/plan.py small_replicated_to_lowest):
     # multi-tier, so a node's ranks read two files of a sharded state, not every file
     small_replicated_to_lowest: bool = False
+
+    def __post_init__(self) -> None:
+        # save.write imports torch; importing it here, not at the top, keeps this module
+        # (lightning_elastic.SaveResult's) light
+        from lightning_elastic.core.save.write import check_compression
+
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout must be positive, got {timedelta(seconds=self.timeout_s)}")
+        if self.leftover_grace_s < 0:
+            grace = timedelta(seconds=self.leftover_grace_s)
+            raise ConfigError(f"leftover_grace must be >= 0, got {grace}")
+        check_compression(self.compression)
+        new_hasher(self.checksum)  # validates the name
 
 
 @dataclass(frozen=True)
@@ -131,16 +147,16 @@ class RunState:
         """Names rank 0 never claims (multi-tier: held on another node or the persistent root)."""
         return self._reserved
 
-    def adopt(self, run_id: str) -> None:
-        """Continue the run ``run_id`` (a load of one of its checkpoints)."""
-        with self._lock:
-            self._run_id = run_id
-
-    def loaded(self, name: str) -> None:
-        """A load of ``name``: the next save continues it, and retention keeps it."""
+    def loaded(self, name: str, adopt: str | None = None) -> bool:
+        """A load of ``name``: the next save continues it, and retention keeps it; with
+        ``adopt``, the engine continues that run from now on. Whether the run changed."""
         with self._lock:
             self._resumed_from = self._parent = name
             self._protected.add(name)
+            changed = adopt is not None and adopt != self._run_id
+            if adopt is not None:
+                self._run_id = adopt
+            return changed
 
     def committed(self, name: str) -> None:
         """A save of ``name`` committed: the next one continues it."""

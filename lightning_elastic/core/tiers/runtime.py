@@ -1,7 +1,8 @@
 """The save side of multi-tier checkpoints: one engine's node-local tier, replicas on other
 nodes, and the persistent root it persists every k-th save to.
 
-Which rank calls what, in what order (the engine does; every rank, same order):
+Which rank calls what, in what order (the engine does, through the tiered placement
+:class:`~lightning_elastic.core.placement.tiered.Tiered`; every rank, same order):
 
 * construction (collective): the node layout is gathered
   (:class:`~lightning_elastic.core.tiers.layout.NodeLayout`) and a dedicated gloo group is
