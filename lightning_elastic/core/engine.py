@@ -32,12 +32,12 @@ from lightning_elastic.core.format.integrity import check_verify_mode
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.load.load import LoadResult, Targets
 from lightning_elastic.core.load.per_rank import PerRankRule
-from lightning_elastic.core.load.select import RUN_NAMED, select_checkpoint
+from lightning_elastic.core.load.select import RUN_NAMED, select_best
 from lightning_elastic.core.load.walk import Filters, LoadRequest, load_walk
 from lightning_elastic.core.options import check_run_name, tier_options
 from lightning_elastic.core.placement import make_placement
 from lightning_elastic.core.placement.base import check_writable
-from lightning_elastic.core.policy.retention import KeepBestK, RetentionPolicy
+from lightning_elastic.core.policy.retention import RetentionPolicy
 from lightning_elastic.core.save.inflight import WHEN_BUSY, SaveHandle, SaveLane
 from lightning_elastic.core.save.pipeline import stage_save
 from lightning_elastic.core.save.plan import PlanCache, plan_save
@@ -145,7 +145,11 @@ class CheckpointEngine:
         self.catalog = Catalog(storage)
         self._run = RunState(coord.broadcast(Phase.INIT, lambda: run_id or uuid.uuid4().hex[:12]))
         self._placement = make_placement(storage, self.catalog, coord, config, self._run, **tiers)
-        self._explicit_run = run_id is not None
+        # the run's name, when given: loads consider only its checkpoints, and its manifests
+        # say so (an unnamed job never continues a named run)
+        self._named = self._run.run_id if run_id is not None else None
+        named = {} if self._named is None else {RUN_NAMED: True}
+        self._metadata = {**named, **self._placement.save_metadata}  # in every manifest
         self._replicas = ReplicationCheck()
         self._plan_cache: PlanCache | None = None  # this rank's, training thread only
         self._lane = SaveLane(coord, when_busy)
@@ -187,8 +191,7 @@ class CheckpointEngine:
     @property
     def load_storage(self) -> Storage:
         """Where loads read checkpoints: the root, or with ``local_root`` the node-local root
-        (recovery gathers the checkpoint there from the fastest tier; ``dirpath`` may not
-        hold it)."""
+        (recovery gathers the checkpoint there; ``dirpath`` may not hold it)."""
         return self._placement.target.storage
 
     @property
@@ -229,11 +232,7 @@ class CheckpointEngine:
         called = time.monotonic()
         if not self._lane.ready():
             return None
-        extra = {
-            **self._placement.save_metadata,
-            **({RUN_NAMED: True} if self._explicit_run else {}),
-        }
-        request = checked_request(step, epoch, metrics, metadata, name, overwrite, extra)
+        request = checked_request(step, epoch, metrics, metadata, name, overwrite, self._metadata)
         persist = self._placement.decide(persist)
         target = self._placement.target
         with paused_gc():  # the training thread waits here: see core/gcpause.py
@@ -293,7 +292,7 @@ class CheckpointEngine:
         """The newest valid checkpoint (collective; corrupt ones are quarantined), or None.
         Multi-tier: the one a recovery would load, from any tier (verified when loaded)."""
         check_verify_mode(verify)
-        return self._placement.newest(Filters(run_id=self._run_filter()), verify)
+        return self._placement.newest(Filters(run_id=self._named), verify)
 
     def best(
         self, monitor: str, mode: str = "min", *, verify: str = "full"
@@ -304,17 +303,8 @@ class CheckpointEngine:
         corrupt candidate is quarantined and the next best tried. Load it with
         ``load(checkpoint=info.name, verify="none")`` (it was just verified)."""
         check_verify_mode(verify)
-        if not monitor or not isinstance(monitor, str):
-            raise ConfigError(f"best() needs the name of a recorded metric, got {monitor!r}")
-        ranking = KeepBestK(1, monitor, mode)  # validates mode (ConfigError)
-        return select_checkpoint(
-            self.storage,
-            self.catalog,
-            self.coordinator,
-            None,
-            verify,
-            run_id=self._run_filter(),
-            order=ranking.ranked,
+        return select_best(
+            self.storage, self.catalog, self.coordinator, monitor, mode, verify, run_id=self._named
         )
 
     def load(
@@ -361,14 +351,10 @@ class CheckpointEngine:
         check_verify_mode(verify)
         self.wait()  # no save (nor persist) in flight
         skip = take_over if skip_named_runs is None else skip_named_runs
-        filters = Filters(
-            checkpoint,
-            run_id=None if checkpoint is not None else self._run_filter(),
-            skip_named=checkpoint is None and not self._explicit_run and skip,
-        )
+        filters = Filters.of(checkpoint, self._named, skip)
         request = LoadRequest(state, filters, verify, strict, trusted, per_rank_rules, targets)
         info, result = load_walk(self._placement, self.coordinator, request)
-        adopt = info.run_id if adopt_run and info.run_id and not self._explicit_run else None
+        adopt = info.run_id if adopt_run and info.run_id and self._named is None else None
         if self._run.loaded(info.name, adopt):  # lineage, retention keeps it, maybe its run
             log.info("resuming run %s from %s", info.run_id, info.location)
         if take_over:
@@ -394,9 +380,6 @@ class CheckpointEngine:
         check_writable(self.coordinator, self._placement.roots, self.storage.display())
 
     # ------------------------------------------------------------------ internals
-
-    def _run_filter(self) -> str | None:
-        return self.run_id if self._explicit_run else None
 
     def _check_open(self) -> None:
         if self._closed:

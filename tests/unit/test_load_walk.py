@@ -177,3 +177,10 @@ def test_fusable_only_with_full_verification_untrusted_and_a_strict_or_new_state
     assert not LoadRequest(state, strict=False).fusable
     assert LoadRequest(None, targets=lambda *a: None).in_place
     assert not LoadRequest(None).in_place
+
+
+def test_a_load_names_one_checkpoint_or_filters_by_the_named_run_or_skips_named_runs() -> None:
+    assert Filters.of("step_3", "run-a", skip_named=True) == Filters("step_3")
+    assert Filters.of(None, "run-a", skip_named=True) == Filters(None, "run-a", False)
+    assert Filters.of(None, None, skip_named=True) == Filters(None, None, True)
+    assert Filters.of(None, None, skip_named=False) == Filters()

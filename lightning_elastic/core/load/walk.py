@@ -82,6 +82,14 @@ class Filters:
     run_id: str | None = None  # only this run's
     skip_named: bool = False  # not a named run's (an unnamed job never continues one)
 
+    @classmethod
+    def of(cls, checkpoint: str | None, run_id: str | None, skip_named: bool) -> Filters:
+        """``checkpoint`` only; else the newest of run ``run_id`` (a run named explicitly),
+        or, no run named, with ``skip_named`` the newest that is not a named run's."""
+        if checkpoint is not None:
+            return cls(checkpoint)
+        return cls(None, run_id, skip_named and run_id is None)
+
 
 @dataclass(frozen=True)
 class LoadRequest:

@@ -31,9 +31,6 @@ and the replicas it received; a missing file there is normal (never "corrupt").
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -53,13 +50,17 @@ from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.local import LocalStorage
 from lightning_elastic.core.tiers.epoch import EPOCH_SHIFT, claim_epoch
-from lightning_elastic.core.tiers.layout import NODE_ENV, NodeLayout, node_name
+from lightning_elastic.core.tiers.layout import (
+    NodeLayout,
+    check_apart,
+    check_node_local,
+    node_name,
+)
 from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
 from lightning_elastic.errors import (
     CheckpointExistsError,
     ConfigError,
-    DistributedFailure,
     ManifestNotReceivedError,
     Phase,
     SaveTimeoutError,
@@ -73,16 +74,6 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 #: manifest metadata: the persistent root a node-local checkpoint belongs to (a local root
 #: reused by another job, or by this job with another persistent root, is not recovered from)
 TIER_ROOT_KEY = "tier_persistent_root"
-
-
-def _overlap(a: Storage, b: Storage) -> bool:
-    """Whether two roots are one directory (however spelled) or one lies inside the other."""
-    if a.is_local != b.is_local or (
-        not a.is_local and a.url.split("://")[0] != b.url.split("://")[0]
-    ):
-        return False
-    pa, pb = (os.path.realpath(s.root) if s.is_local else s.root.rstrip("/") for s in (a, b))
-    return pa == pb or pa.startswith(pb.rstrip("/") + "/") or pb.startswith(pa.rstrip("/") + "/")
 
 
 class TierSet:
@@ -105,12 +96,7 @@ class TierSet:
         self.every = check_count(persist_every_n_saves, "persist_every_n_saves")
         self.replicas = check_count(replicas, "replicas", minimum=0)
         local = target.storage
-        if _overlap(local, persistent):
-            raise ConfigError(
-                f"the node-local root {local.display()} and the persistent root "
-                f"{persistent.display()} are the same directory or one holds the other: give "
-                "local_dirpath a node-local directory of its own (/dev/shm/..., a local disk)"
-            )
+        check_apart(local, persistent)
         coord = self.coordinator = target.coordinator
         self.target, self.run = target, run
         self.local = local
@@ -120,7 +106,7 @@ class TierSet:
         timeout = self.timeout = timedelta(seconds=target.config.timeout_s)
         self.node = node or node_name()
         self.layout = NodeLayout.gather(coord, self.node)
-        self._check_shared_root()
+        check_node_local(coord, self.layout, self.node, local)
         self.group: dist.ProcessGroup | None = None
         if coord.distributed:
             if dist.get_world_size() != coord.world_size:
@@ -158,55 +144,6 @@ class TierSet:
         self._group_broken = False  # a transfer timed out: the group needs replacing
         self.replica_failures = 0
         self.persist_failures = 0
-
-    def _check_shared_root(self) -> None:
-        """Construction (collective): every rank of a node must see the node's local root,
-        or its shards would pile up where no manifest and no retention ever reach (two hosts
-        with one node id: a copied ``$LIGHTNING_ELASTIC_NODE``, identical host names)."""
-        coord, local = self.coordinator, self.local
-        lead = self.layout.lead(self.node)
-        tag = hashlib.sha1(self.node.encode()).hexdigest()[:12]  # any id makes a file name
-        probe = f".tier-probe-{tag}-{uuid.uuid4().hex[:12]}"
-
-        def write() -> str | None:
-            if coord.rank != lead:
-                return None
-            try:
-                local.write_bytes(probe, b"", durable=False)
-            except StorageError as exc:
-                raise ConfigError(
-                    f"the node-local root (local_dirpath) {local.display()} of node "
-                    f"{self.node!r} cannot be written: {exc}. Give a directory every rank of "
-                    "the node can create and write (/dev/shm/..., a local disk)"
-                ) from exc
-            return probe
-
-        probes = coord.all_gather(Phase.INIT, write, error=DistributedFailure)
-        mine = probes[lead]
-        assert mine is not None
-        others = [p for r, p in enumerate(probes) if p is not None and r != lead]
-
-        def look() -> tuple[bool, bool]:
-            return local.exists(mine), any(local.exists(p) for p in others)
-
-        seen = coord.all_gather(Phase.INIT, look, error=DistributedFailure)
-        if coord.rank == lead:
-            with contextlib.suppress(Exception):
-                local.delete(mine)
-        blind = [r for r, (ok, _) in enumerate(seen) if not ok]
-        if blind:
-            raise ConfigError(
-                f"rank(s) {blind} report the node id of other ranks but do not see their "
-                f"node-local root ({local.display()}): give every host its own node id "
-                f"(${NODE_ENV} or distinct host names)"
-            )
-        shared = [r for r, (_, other) in enumerate(seen) if other]
-        if shared:
-            raise ConfigError(
-                f"rank(s) {shared} see the local root of another node in {local.display()}: "
-                "local_dirpath must be node-local (/dev/shm, a local disk), not a shared file "
-                "system, or replicas would land in the directory they protect"
-            )
 
     # ------------------------------------------------------------------ training thread
 
