@@ -73,8 +73,16 @@ MATMUL = 512  # ~5 ms each on this machine: steps of --step-ms to within a few m
 RECOVERY_TARGET = 5.0  # local and peer at least this much faster than persistent
 RATIO_TARGET = 0.95
 WARMUP_SAVES = 2  # + local_keep: see train_worker
-# where recovery spends its time (lightning_elastic/core/tiers/restore.py)
-PHASES = ("_survey", "_manifest_text", "_drop_corrupt", "_fetch", "_load", "load_checkpoint")
+# where recovery spends its time: function -> the module whose calls of it are timed
+# (core/tiers/restore.py, gather.py; the load walk's load_checkpoint, core/load/walk.py)
+PHASES = {
+    "survey": "restore",
+    "manifest_text": "restore",
+    "_drop_corrupt": "gather",
+    "_fetch": "gather",
+    "_commit_copy": "restore",
+    "load_checkpoint": "walk",
+}
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,7 @@ def run_window(train: Trainer, engine: Any, cfg: Config, root: str) -> dict[str,
 
 #: where a save's time goes: (owner, attribute) wrapped with timers in the training ranks
 SAVE_PARTS = {
-    "engine._ready_for_new_save": "wait for the previous save",
+    "lane.ready": "wait for the previous save",
     "tiers.decide": "persist decision (all-reduce)",
     "engine_mod.plan_save": "plan (collective)",
     "engine_mod.stage_save": "stage (copy)",
@@ -270,8 +278,8 @@ def instrument(engine: Any) -> dict[str, list[float]]:
     from lightning_elastic.core.tiers import runtime
 
     owners = {
-        "engine": engine,
-        "tiers": engine._tiers,
+        "lane": engine._lane,
+        "tiers": engine._placement.tiers,
         "engine_mod": engine_mod,
         "runtime": runtime,
     }
@@ -355,7 +363,8 @@ def recover_worker(cfg: Config) -> dict[str, Any]:
     t = time.perf_counter()
     import lightning_elastic.testing.throttled  # noqa: F401
     from lightning_elastic import CheckpointEngine  # noqa: F401
-    from lightning_elastic.core.tiers import restore
+    from lightning_elastic.core.load import walk
+    from lightning_elastic.core.tiers import gather, restore
 
     imports_s = time.perf_counter() - t
     t = time.perf_counter()
@@ -365,7 +374,9 @@ def recover_worker(cfg: Config) -> dict[str, Any]:
     state = build_state(cfg, mesh, zeros=True)
     alloc_s = time.perf_counter() - t
     phases: dict[str, float] = {}
-    time_calls(restore, PHASES, phases)
+    modules = {"restore": restore, "gather": gather, "walk": walk}
+    for name, module in PHASES.items():
+        time_calls(modules[module], (name,), phases)
     t0 = time.perf_counter()
     engine = make_engine(cfg)
     t1 = time.perf_counter()
@@ -504,7 +515,7 @@ def print_recovery(rec: dict[str, Any]) -> None:
             f"  {name:<10}{r['worst_s']:>12.2f} s{r['spawn_to_loaded_s']:>12.2f} s  {tiers:<22}{mb:<34}{r['correct']}"
         )
     print(
-        "  the slowest rank's seconds: spawn->entry, mesh, alloc | construct | recovery phases (load includes load_checkpoint)"
+        "  the slowest rank's seconds: spawn->entry, mesh, alloc | construct | recovery phases (commit_copy: the manifest beside the copies)"
     )
     for name, r in rec["scenarios"].items():
         w = max(r["ranks"], key=lambda x: x["total_s"])

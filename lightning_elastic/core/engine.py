@@ -6,105 +6,53 @@ the group, in the same order, from the training thread. ``save`` returns as soon
 rank's bytes are staged (async) or after the commit (sync); the write and the commit run in
 one background thread per rank. A failure anywhere surfaces on every rank as the same typed
 error at the next ``save``/``wait``/``close`` (or from the handle's ``result()``).
+
+Where checkpoints live is the placement's (:mod:`~lightning_elastic.core.placement`: one
+root, or tiers): the engine plans and stages every save into ``placement.target``, hands the
+rest to ``placement.finish`` in the writer thread, and loads through the one load walk
+(:mod:`~lightning_elastic.core.load.walk`), which asks the placement for candidates. The
+engine owns the run state (:class:`~lightning_elastic.core.save.request.RunState`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 
-from lightning_elastic.core.dist.channel import CommitChannel
 from lightning_elastic.core.dist.coordinator import Coordinator
-from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import check_verify_mode
-from lightning_elastic.core.format.manifest import check_json_safe, is_plain_name
 from lightning_elastic.core.gcpause import paused_gc
-from lightning_elastic.core.load.load import (
-    RANK_LOCAL_KEY,
-    CorruptWhileLoading,
-    LoadResult,
-    Targets,
-    load_checkpoint,
-)
+from lightning_elastic.core.load.load import LoadResult, Targets
 from lightning_elastic.core.load.per_rank import PerRankRule
-from lightning_elastic.core.load.select import RUN_NAMED, quarantine, select_checkpoint
+from lightning_elastic.core.load.select import RUN_NAMED, select_best
+from lightning_elastic.core.load.walk import Filters, LoadRequest, load_walk
 from lightning_elastic.core.options import check_run_name, check_seconds, tier_options
-from lightning_elastic.core.policy.retention import KeepBestK, KeepLastN, RetentionPolicy
-from lightning_elastic.core.save.pipeline import finish_save, stage_save
-from lightning_elastic.core.save.plan import plan_save
-from lightning_elastic.core.save.replicated import (
-    PER_RANK_KEY,
-    PER_RANK_VALUES_KEY,
-    ReplicationCheck,
-    encode_paths,
-)
-from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveRequest, SaveResult
-from lightning_elastic.core.save.stage import HostArena, Payload
-from lightning_elastic.core.save.write import check_compression
+from lightning_elastic.core.placement import make_placement
+from lightning_elastic.core.placement.base import check_writable
+from lightning_elastic.core.policy.retention import RetentionPolicy
+from lightning_elastic.core.save.inflight import WHEN_BUSY, SaveHandle, SaveLane
+from lightning_elastic.core.save.pipeline import stage_save
+from lightning_elastic.core.save.plan import PlanCache, plan_save
+from lightning_elastic.core.save.replicated import ReplicationCheck
+from lightning_elastic.core.save.request import RunState, SaveConfig, SaveResult
+from lightning_elastic.core.save.stage import HostArena
+from lightning_elastic.core.save.state import checked_request, state_to_save
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM, new_hasher
-from lightning_elastic.core.tiers.restore import Filters, Recovery, choose, recover
-from lightning_elastic.core.tiers.runtime import TIER_ROOT_KEY, TierSet
-from lightning_elastic.errors import (
-    CheckpointLoadError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    ConfigError,
-    IntegrityError,
-    Phase,
-)
+from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM
+from lightning_elastic.core.tiers.restore import Recovery
+from lightning_elastic.errors import CheckpointLoadError, ConfigError, Phase
 
 __all__ = ["WHEN_BUSY", "CheckpointEngine", "SaveHandle"]
 
 log = logging.getLogger(__name__)
-WHEN_BUSY = ("wait", "skip")
-
-
-class SaveHandle:
-    """A save that was started; :meth:`result` waits for its commit (or raises its error)."""
-
-    def __init__(self, future: Future[SaveResult], name: str, step: int, blocked_s: float) -> None:
-        self._future = future
-        self.name = name
-        self.step = step
-        self.blocked_s = blocked_s
-        self.error_seen = False  # the caller already got the error from result()
-
-    def done(self) -> bool:
-        """Whether the save has finished, committed or failed (no waiting)."""
-        return self._future.done()
-
-    def succeeded(self) -> bool:
-        """Finished and committed (no waiting)."""
-        return self._future.done() and self._future.exception() is None
-
-    def result(self, timeout: float | None = None) -> SaveResult:
-        """Wait (at most ``timeout`` seconds, ``None``: no limit) for the commit and return its
-        result, or raise the save's error."""
-        try:
-            return self._future.result(timeout)
-        except Exception:
-            if self._future.done():
-                self.error_seen = True
-            raise
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "in flight"
-        return f"SaveHandle({self.name!r}, step={self.step}, {state})"
 
 
 class CheckpointEngine:
@@ -170,7 +118,7 @@ class CheckpointEngine:
         local_keep: int | None = None,
         node: str | None = None,
     ) -> None:
-        tier_options(  # validates them (ConfigError)
+        tiers = tier_options(  # validates them (ConfigError)
             local_root,
             persist_every_n_saves=persist_every_n_saves,
             replicas=replicas,
@@ -189,60 +137,28 @@ class CheckpointEngine:
             if leftover_grace is None
             else timedelta(seconds=check_seconds(leftover_grace, "leftover_grace", zero=True))
         )
-        check_compression(compression)
-        new_hasher(checksum)  # validates the name
+        config = SaveConfig(  # validates them (ConfigError)
+            checksum, compression, timeout.total_seconds(), grace.total_seconds(), tuple(retention)
+        )
         if run_id is not None:
             check_run_name(run_id, "run_id")
         self.storage = storage
         self.async_save = async_save
         self.when_busy = when_busy
-        self.coordinator = coordinator or Coordinator.from_environment(
+        coord = self.coordinator = coordinator or Coordinator.from_environment(
             timeout=timeout, process_group=process_group
         )
-        coord = self.coordinator
-        agreed_run_id = coord.broadcast(Phase.INIT, lambda: run_id or uuid.uuid4().hex[:12])
         self.catalog = Catalog(storage)
-        self._tiers: TierSet | None = None
-        written, local_retention = storage, tuple(retention)
-        if local_root is not None:
-            written = Storage(local_root)
-            local_retention = (KeepLastN(2 if local_keep is None else local_keep),)
-            self._tiers = TierSet(
-                coordinator=coord,
-                local=written,
-                persistent=storage,
-                persist_every_n_saves=1 if persist_every_n_saves is None else persist_every_n_saves,
-                replicas=1 if replicas is None else replicas,
-                retention=tuple(retention),
-                node=node,
-                timeout=timeout,
-                grace_s=grace.total_seconds(),
-            )
-        self._ctx = SaveContext(
-            storage=written,
-            catalog=self.catalog if self._tiers is None else Catalog(written),
-            coordinator=coord,
-            channel=CommitChannel(
-                coord.store,
-                rank=coord.rank,
-                world_size=coord.world_size,
-                namespace=coord.key("commit"),
-                timeout_s=timeout.total_seconds(),
-            ),
-            run_id=agreed_run_id,
-            checksum=checksum,
-            compression=compression,
-            timeout_s=timeout.total_seconds(),
-            arena=HostArena(pin_memory=torch.cuda.is_available()),
-            retention=local_retention,
-            leftover_grace_s=grace.total_seconds(),
-            small_replicated_to_lowest=self._tiers is not None,
-        )
-        self.last_recovery: Recovery | None = None  # multi-tier: what the last load did
-        self._explicit_run = run_id is not None
+        self._run = RunState(coord.broadcast(Phase.INIT, lambda: run_id or uuid.uuid4().hex[:12]))
+        self._placement = make_placement(storage, self.catalog, coord, config, self._run, **tiers)
+        # the run's name, when given: loads consider only its checkpoints, and its manifests
+        # say so (an unnamed job never continues a named run)
+        self._named = self._run.run_id if run_id is not None else None
+        named = {} if self._named is None else {RUN_NAMED: True}
+        self._metadata = {**named, **self._placement.save_metadata}  # in every manifest
         self._replicas = ReplicationCheck()
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: SaveHandle | None = None
+        self._plan_cache: PlanCache | None = None  # this rank's, training thread only
+        self._lane = SaveLane(coord, when_busy)
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -261,56 +177,33 @@ class CheckpointEngine:
     def run_id(self) -> str:
         """The run id of this engine's saves, agreed by all ranks (a load may adopt the loaded
         checkpoint's run)."""
-        return self._ctx.run_id
+        return self._run.run_id
 
     @property
     def resumed_from(self) -> str | None:
         """The name of the checkpoint this engine last loaded, or ``None``."""
-        return self._ctx.resumed_from
+        return self._run.resumed_from
 
     @property
     def multi_tier(self) -> bool:
         """Whether this engine has a node-local tier (``local_root``)."""
-        return self._tiers is not None
+        return self._placement.multi_tier
+
+    @property
+    def last_recovery(self) -> Recovery | None:
+        """Multi-tier: what the last load did, tier by tier (``None`` without tiers)."""
+        return self._placement.last_recovery
 
     @property
     def load_storage(self) -> Storage:
         """Where loads read checkpoints: the root, or with ``local_root`` the node-local root
-        (recovery gathers the checkpoint there from the fastest tier; ``dirpath`` may not
-        hold it)."""
-        return self._ctx.storage
+        (recovery gathers the checkpoint there; ``dirpath`` may not hold it)."""
+        return self._placement.target.storage
 
     @property
     def arena(self) -> HostArena:
         """The host buffer asynchronous saves stage into, reused across saves."""
-        return self._ctx.arena
-
-    def check_writable(self) -> None:
-        """Every rank writes and deletes a small probe file in the root, so a root that is a
-        file, cannot be created or lacks credentials fails now, on every rank, with a
-        :class:`ConfigError` naming each rank's error, rather than at the first save."""
-
-        roots = [self.storage] if self._tiers is None else [self.storage, self._ctx.storage]
-
-        def probe() -> str | None:
-            rel = f".probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            for root in roots:
-                try:
-                    root.write_bytes(rel, b"", durable=False)
-                    root.delete(rel)
-                except Exception as exc:
-                    return f"{root.display()}: {type(exc).__name__}: {exc}"
-            return None
-
-        errors = self.coordinator.all_gather(Phase.INIT, probe)
-        failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]
-        if failed:
-            raise ConfigError(
-                f"cannot write checkpoints to {self.storage.display()} ("
-                + "; ".join(failed)
-                + "): check that the path is a directory this user can create and write, and "
-                "the storage options (credentials, endpoint_url)"
-            )
+        return self._placement.target.arena
 
     # ------------------------------------------------------------------ saving
 
@@ -343,59 +236,34 @@ class CheckpointEngine:
         """
         self._check_open()
         called = time.monotonic()
-        if not self._ready_for_new_save():
+        if not self._lane.ready():
             return None
-        request = self._request(step, epoch, metrics, metadata, name, overwrite)
-        to_persist = self._tiers is not None and self._tiers.decide(self._ctx, persist)
-        state_dict = _to_state_dict(state)
-        for reserved in (RANK_LOCAL_KEY, PER_RANK_KEY):
-            if reserved in state_dict:
-                raise ConfigError(f"the state key {reserved!r} is reserved")
-        local = None if rank_state is None else _to_state_dict(rank_state)
-        if local is not None and PER_RANK_VALUES_KEY in local:
-            raise ConfigError(f"the rank_state key {PER_RANK_VALUES_KEY!r} is reserved")
+        request = checked_request(step, epoch, metrics, metadata, name, overwrite, self._metadata)
+        persist = self._placement.decide(persist)
+        target = self._placement.target
         with paused_gc():  # the training thread waits here: see core/gcpause.py
-            split = self._replicas.split(self.coordinator, state_dict)
-            state_dict = split.state
-            if split.per_rank:
-                state_dict[PER_RANK_KEY] = encode_paths(split.per_rank)
-            if split.values:
-                local = {**(local or {}), PER_RANK_VALUES_KEY: split.values}
-            if local is not None:
-                state_dict[RANK_LOCAL_KEY] = {str(self.rank): local}
-            planned = plan_save(self._ctx, state_dict, request, split.walk)
-            del split  # its walk dies inside the pause: alive at its end, the collector
-            # scans it (60,000 objects at 20,000 tensors: 7-17 ms of every save)
-            is_blocking = (not self.async_save) if blocking is None else blocking
+            state_dict, walk = state_to_save(self._replicas, self.coordinator, state, rank_state)
+            planned = plan_save(target, self._run, state_dict, request, walk, self._plan_cache)
+            self._plan_cache = planned.cache
+            del walk  # it dies inside the pause: alive at its end, the collector scans it
+            # (60,000 objects at 20,000 tensors: 7-17 ms of every save)
+            blocking = (not self.async_save) if blocking is None else blocking
             stage_start = time.monotonic()
-            payload = stage_save(self._ctx, planned, copy=not is_blocking)
+            payload = stage_save(target, planned, copy=not blocking)
             staging_s = time.monotonic() - stage_start
-        future: Future[SaveResult]
-        if is_blocking:
-            future = Future()
-            try:
-                blocked = time.monotonic() - called
-                future.set_result(self._finish(planned, payload, blocked, staging_s, to_persist))
-            except BaseException as exc:
-                future.set_exception(exc)
-                raise
-            return SaveHandle(future, planned.name, step, time.monotonic() - called)
-        blocked_s = time.monotonic() - called
-        future = self._writer().submit(
-            self._finish, planned, payload, blocked_s, staging_s, to_persist
+
+        def finish(blocked_s: float) -> SaveResult:  # the writer thread, or inline
+            return self._placement.finish(planned, payload, blocked_s, staging_s, persist)
+
+        return self._lane.start(
+            finish, name=planned.name, step=step, called=called, blocking=blocking
         )
-        self._inflight = SaveHandle(future, planned.name, step, blocked_s)
-        return self._inflight
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight (and, multi-tier, the persist in flight); raise its
         error (once) if it failed."""
-        handle, self._inflight = self._inflight, None
-        result = None
-        if handle is not None and not (handle.error_seen and handle.done()):
-            result = handle.result()
-        if self._tiers is not None:
-            self._tiers.wait(self._ctx)
+        result = self._lane.wait()
+        self._placement.wait()
         return result
 
     def persist_latest(self) -> bool:
@@ -404,21 +272,7 @@ class CheckpointEngine:
         (or no tiers)."""
         self._check_open()
         self.wait()
-        return self._tiers is not None and self._tiers.persist_latest(self._ctx)
-
-    def _finish(
-        self,
-        planned: PlannedSave,
-        payload: Payload,
-        blocked_s: float,
-        staging_s: float,
-        persist: bool,
-    ) -> SaveResult:
-        """The background part of a save: write and commit (and, multi-tier, replicate and
-        hand the persist over)."""
-        if self._tiers is None:
-            return finish_save(self._ctx, planned, payload, blocked_s, staging_s)
-        return self._tiers.finish(self._ctx, planned, payload, blocked_s, staging_s, persist)
+        return self._placement.persist_latest()
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and release threads and buffers."""
@@ -428,12 +282,9 @@ class CheckpointEngine:
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            if self._tiers is not None:
-                self._tiers.close()
-            self._ctx.arena.release()
+            self._lane.close()
+            self._placement.close()
+            self._placement.target.arena.release()
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -447,12 +298,7 @@ class CheckpointEngine:
         """The newest valid checkpoint (collective; corrupt ones are quarantined), or None.
         Multi-tier: the one a recovery would load, from any tier (verified when loaded)."""
         check_verify_mode(verify)
-        if self._tiers is not None:
-            filters = Filters(run_id=self._run_filter())
-            return choose(self._tiers, self._ctx, filters)
-        return select_checkpoint(
-            self.storage, self.catalog, self.coordinator, None, verify, run_id=self._run_filter()
-        )
+        return self._placement.newest(Filters(run_id=self._named), verify)
 
     def best(
         self, monitor: str, mode: str = "min", *, verify: str = "full"
@@ -463,17 +309,8 @@ class CheckpointEngine:
         corrupt candidate is quarantined and the next best tried. Load it with
         ``load(checkpoint=info.name, verify="none")`` (it was just verified)."""
         check_verify_mode(verify)
-        if not monitor or not isinstance(monitor, str):
-            raise ConfigError(f"best() needs the name of a recorded metric, got {monitor!r}")
-        ranking = KeepBestK(1, monitor, mode)  # validates mode (ConfigError)
-        return select_checkpoint(
-            self.storage,
-            self.catalog,
-            self.coordinator,
-            None,
-            verify,
-            run_id=self._run_filter(),
-            order=ranking.ranked,
+        return select_best(
+            self.storage, self.catalog, self.coordinator, monitor, mode, verify, run_id=self._named
         )
 
     def load(
@@ -518,135 +355,14 @@ class CheckpointEngine:
         """
         self._check_open()
         check_verify_mode(verify)
-        if self._inflight is not None or self._tiers is not None:
-            self.wait()
-        if self._tiers is not None:
-            return self._recover(
-                state,
-                checkpoint=checkpoint,
-                verify=verify,
-                strict=strict,
-                adopt_run=adopt_run,
-                take_over=take_over,
-                skip_named=checkpoint is None
-                and not self._explicit_run
-                and (take_over if skip_named_runs is None else skip_named_runs),
-                trusted=trusted,
-                per_rank_rules=per_rank_rules,
-                targets=targets,
-            )
-        # verify="full" checks the shard files' checksums while loading them (one pass over
-        # the bytes; load_checkpoint's ``fused``); a corrupt one found then is quarantined and
-        # the walk goes on, as when selection finds it. What the corrupt one wrote in place
-        # must all be written again by the one loaded instead, or the load says so.
-        fused = verify == "full" and not trusted and (state is None or strict)
-        in_place = state is not None or targets is not None
-        corrupt: dict[str, CorruptWhileLoading] = {}  # by checkpoint name
-        touched: set[tuple[Any, ...]] = set()  # the targets corrupt attempts loaded into
-        while True:
-            start = time.monotonic()
-            info = select_checkpoint(
-                self.storage,
-                self.catalog,
-                self.coordinator,
-                checkpoint,
-                verify,
-                run_id=None if checkpoint is not None else self._run_filter(),
-                skip_named=checkpoint is None
-                and not self._explicit_run
-                and (take_over if skip_named_runs is None else skip_named_runs),
-                fused=fused,
-                exclude=corrupt.keys(),
-            )
-            if info is None:
-                only = f" of run {self.run_id!r}" if self._explicit_run else ""
-                if corrupt and in_place:
-                    raise _partly(corrupt, f"no older valid checkpoint{only} is left")
-                raise CheckpointNotFoundError(
-                    f"no valid checkpoint{only} in {self.storage.display()}; start without "
-                    "resuming or point to a directory holding committed checkpoints"
-                )
-            handed: set[tuple[Any, ...]] = set()
-            try:
-                result = load_checkpoint(
-                    self.storage,
-                    self.coordinator,
-                    info,
-                    state,
-                    strict=strict,
-                    verify_s=time.monotonic() - start,
-                    trusted=trusted,
-                    per_rank_rules=per_rank_rules,
-                    targets=_recording(targets, handed),
-                    fused=fused,
-                )
-            except CorruptWhileLoading as exc:
-                if checkpoint is not None:  # the named one: an IntegrityError, as from selection
-                    if in_place:
-                        raise _partly({info.name: exc}) from None
-                    raise
-                quarantine(self.catalog, self.coordinator, info, exc.file, exc.reason)
-                corrupt[info.name] = exc
-                touched |= handed
-                continue
-            except Exception as exc:
-                if corrupt and in_place:
-                    why = f"loading {info.location} instead failed ({type(exc).__name__}: {exc})"
-                    raise _partly(corrupt, why) from exc
-                raise
-            stale = touched - handed
-            if stale:
-                shown = ", ".join(".".join(map(str, p)) for p in sorted(stale, key=str)[:3])
-                raise _partly(corrupt, f"{info.location}, loaded instead, does not hold {shown}")
-            break
-        return self._loaded(info, result, adopt_run, take_over)
-
-    def _recover(
-        self,
-        state: dict[str, Any] | None,
-        *,
-        checkpoint: str | None,
-        verify: str,
-        strict: bool,
-        adopt_run: bool,
-        take_over: bool,
-        skip_named: bool,
-        trusted: bool,
-        per_rank_rules: Sequence[PerRankRule],
-        targets: Targets | None,
-    ) -> LoadResult:
-        """Multi-tier :meth:`load`: from the fastest tier (:mod:`~lightning_elastic.core.tiers.
-        restore`)."""
-        assert self._tiers is not None
-        filters = Filters(
-            checkpoint=checkpoint,
-            run_id=None if checkpoint is not None else self._run_filter(),
-            skip_named=skip_named,
-        )
-        info, result, self.last_recovery = recover(
-            self._tiers,
-            self._ctx,
-            state,
-            filters=filters,
-            verify=verify,
-            strict=strict,
-            trusted=trusted,
-            per_rank_rules=per_rank_rules,
-            targets=targets,
-        )
-        return self._loaded(info, result, adopt_run, take_over)
-
-    def _loaded(
-        self, info: CheckpointInfo, result: LoadResult, adopt_run: bool, take_over: bool
-    ) -> LoadResult:
-        """After a successful load: lineage, protection, the run id, the lease."""
-        self._ctx.resumed_from = info.name
-        self._ctx.parent = info.name
-        self._ctx.protected.add(info.name)
-        if adopt_run and info.run_id and not self._explicit_run:
-            if info.run_id != self._ctx.run_id:
-                log.info("resuming run %s from %s", info.run_id, info.location)
-            self._ctx.run_id = info.run_id
+        self.wait()  # no save (nor persist) in flight
+        skip = take_over if skip_named_runs is None else skip_named_runs
+        filters = Filters.of(checkpoint, self._named, skip)
+        request = LoadRequest(state, filters, verify, strict, trusted, per_rank_rules, targets)
+        info, result = load_walk(self._placement, self.coordinator, request)
+        adopt = info.run_id if adopt_run and info.run_id and self._named is None else None
+        if self._run.loaded(info.name, adopt):  # lineage, retention keeps it, maybe its run
+            log.info("resuming run %s from %s", info.run_id, info.location)
         if take_over:
             self.take_over()
         log.info("loaded checkpoint %s (step %s)", info.location, info.step)
@@ -657,18 +373,12 @@ class CheckpointEngine:
         id): a job that joins a run another job writes (replica groups share one run). An
         engine given an explicit ``run_id`` keeps its own."""
         check_run_name(run_id, "run_id")
-        if not self._explicit_run and run_id != self._ctx.run_id:
-            log.info("writing run %s (was %s)", run_id, self._ctx.run_id)
-            self._ctx.run_id = run_id
+        if self._named is None and self._run.adopt(run_id):
+            log.info("writing run %s from now on", run_id)
 
     def list(self) -> list[CheckpointInfo]:
         """All checkpoint directories under the root, oldest first (local, not collective)."""
         return self.catalog.scan()
-
-    # ------------------------------------------------------------------ internals
-
-    def _run_filter(self) -> str | None:
-        return self.run_id if self._explicit_run else None
 
     def take_over(self, *, renew: bool = False) -> None:
         """Take this job's lease on the run now (collective; rank 0 writes it), so a
@@ -677,108 +387,18 @@ class CheckpointEngine:
         the run; the first save takes it otherwise. ``renew``: take a new generation even if
         this job holds one (a writer that hands the run back and forth, such as the leader of
         replica groups, becomes the newest writer again)."""
-        ctx = self._ctx
+        self.coordinator.broadcast(
+            Phase.LOAD, lambda: self._placement.take_over(renew=renew), error=CheckpointLoadError
+        )
 
-        tiers = self._tiers
+    def check_writable(self) -> None:
+        """Every rank writes and deletes a small probe file in the root, so a root that is a
+        file, cannot be created or lacks credentials fails now, on every rank, with a
+        :class:`ConfigError` naming each rank's error, rather than at the first save."""
+        check_writable(self.coordinator, self._placement.roots, self.storage.display())
 
-        def take() -> None:
-            if renew or ctx.lease is None or ctx.lease.run_id != ctx.run_id:
-                ctx.lease = take_lease(ctx.storage, ctx.run_id)
-            if tiers is not None and (renew or (p := tiers.persistent).lease is None):
-                p = tiers.persistent
-                p.lease = take_lease(p.storage, ctx.run_id)
-
-        self.coordinator.broadcast(Phase.LOAD, take, error=CheckpointLoadError)
-
-    def _ready_for_new_save(self) -> bool:
-        handle = self._inflight
-        if handle is None:
-            return True
-        if self.when_busy == "skip" and not self.coordinator.all(
-            handle.done(), Phase.SAVE_BUSY, error=CheckpointSaveError
-        ):
-            log.info("skipping a save: %r is still in flight on some rank", handle)
-            return False
-        self._inflight = None
-        if not handle.error_seen:
-            handle.result()  # raises the previous save's error, on every rank
-        return True
-
-    def _request(
-        self,
-        step: int,
-        epoch: int | None,
-        metrics: Mapping[str, float] | None,
-        metadata: Mapping[str, Any] | None,
-        name: str | None,
-        overwrite: bool,
-    ) -> SaveRequest:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
-        if name is not None and not is_plain_name(name.strip("/")):
-            raise ConfigError(f"name must be a plain directory name below the root, got {name!r}")
-        try:
-            check_json_safe(metadata or {}, "metadata")
-            clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
-            check_json_safe(clean_metrics, "metrics")
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(str(exc)) from exc
-        meta = dict(metadata or {})
-        if self._explicit_run:
-            meta[RUN_NAMED] = True
-        if self._tiers is not None:
-            meta[TIER_ROOT_KEY] = self.storage.display()
-        return SaveRequest(step, epoch, clean_metrics, meta, name, overwrite)
-
-    def _writer(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix="lightning-elastic-writer", initializer=_background_priority
-            )
-        return self._executor
+    # ------------------------------------------------------------------ internals
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointEngine is closed")
-
-
-def _background_priority() -> None:
-    """Lower the writer thread's CPU priority (Linux applies nice per thread): when training
-    and writing compete for few cores, training should win; idle cores still write at full
-    speed."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-
-def _to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A shallow copy with every ``Stateful`` value replaced by its ``state_dict()``."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-
-
-def _recording(targets: Targets | None, handed: set[tuple[Any, ...]]) -> Targets | None:
-    """``targets``, noting the path of every tensor it hands out in ``handed``."""
-    if targets is None:
-        return None
-    give = targets
-
-    def recorded(path: tuple[Any, ...], shape: torch.Size, dtype: torch.dtype) -> Any:
-        tensor = give(path, shape, dtype)
-        if tensor is not None:
-            handed.add(tuple(path))
-        return tensor
-
-    return recorded
-
-
-def _partly(corrupt: Mapping[str, CorruptWhileLoading], why: str = "") -> IntegrityError:
-    """The error of a load that found a checkpoint corrupt only after reading part of it into
-    the caller's state or targets, and could not overwrite all of that from another one."""
-    last = list(corrupt.values())[-1]
-    return IntegrityError(
-        last.checkpoint,
-        last.file,
-        f"{last.reason}; found while loading it{', and ' + why if why else ''}: what was "
-        "loaded in place (the state or targets passed in) is partly that corrupt "
-        "checkpoint's. Start from a fresh state (a restarted job finds the corrupt "
-        "checkpoint quarantined)",
-    )

@@ -66,7 +66,7 @@ def save_steps(
             if settle:  # the save and its persist are done: which saves persist is certain
                 eng.wait()
         eng.wait()
-        return {"replica_failures": eng._tiers.replica_failures}  # type: ignore[union-attr]
+        return {"replica_failures": eng._placement.tiers.replica_failures}  # type: ignore[attr-defined]
 
 
 def load_latest(
@@ -107,14 +107,14 @@ def persist_fails(root: str, nodes: list[str]) -> dict[str, Any]:
         timeout=timedelta(seconds=30),
     ) as eng:
         eng.save(state_of(1, rank), step=1, blocking=True)  # committed locally
-        futures.wait([eng._tiers._persisting])  # type: ignore[union-attr,list-item]
+        futures.wait([eng._placement.tiers._persisting])  # type: ignore[attr-defined]
         for step in (2, 3):  # the failed persist does not stop these
             eng.save(state_of(step, rank), step=step)
         try:
             eng.wait()
         except Exception as exc:
             out["wait_error"] = f"{type(exc).__name__}: {exc}"
-        out["persist_failures"] = eng._tiers.persist_failures  # type: ignore[union-attr]
+        out["persist_failures"] = eng._placement.tiers.persist_failures  # type: ignore[attr-defined]
     return out
 
 
@@ -310,7 +310,7 @@ def gated_background(root: str, nodes: list[str]) -> dict[str, Any]:
             handle.result()
             eng.wait()
             group = seen["group"]
-            tiers = eng._tiers  # type: ignore[attr-defined]
+            tiers = eng._placement.tiers  # type: ignore[attr-defined]
             out["tier_group"] = group is not None and group is tiers.group
             out["not_default"] = group is not dist.group.WORLD
             out["gated"] = (seen["transfers_gated"], seen.get("persist_gated"))

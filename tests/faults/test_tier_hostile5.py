@@ -22,7 +22,7 @@ from lightning_elastic.core.format.catalog import VALID, Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, SHARD_SUFFIX
 from lightning_elastic.core.options import check_node_id
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.core.tiers import restore
+from lightning_elastic.core.tiers import candidates
 from lightning_elastic.core.tiers.inventory import NodeScan, scan_node
 from lightning_elastic.core.tiers.layout import NodeLayout
 from lightning_elastic.core.tiers.recovery import CheckpointCandidate
@@ -44,7 +44,7 @@ R0, R1 = f"{NAME}/{SAVE}-rank00000.distcp", f"{NAME}/{SAVE}-rank00001.distcp"
 
 
 def tiers_of(*nodes: str) -> SimpleNamespace:
-    """What ``restore._plan`` reads of a TierSet: rank ``r`` on ``nodes[r]``."""
+    """What ``candidates.agree`` reads of a TierSet: rank ``r`` on ``nodes[r]``."""
     return SimpleNamespace(
         coordinator=SimpleNamespace(is_coordinator=False), layout=NodeLayout.of(list(nodes))
     )
@@ -57,9 +57,9 @@ def committed_on_a() -> NodeScan:
     return NodeScan({NAME: {META: 10, R0: 100}}, (cand,))
 
 
-def plan_of(scan_b: NodeScan, excluded: set[str] | None = None) -> restore._Choice:
-    surveys = [restore._Survey("a", committed_on_a()), restore._Survey("b", scan_b)]
-    return restore._plan(tiers_of("a", "b"), surveys, set(excluded or ()))
+def plan_of(scan_b: NodeScan, excluded: set[str] | None = None) -> candidates.Choice:
+    surveys = [candidates.Survey("a", committed_on_a()), candidates.Survey("b", scan_b)]
+    return candidates.agree(tiers_of("a", "b"), surveys, set(excluded or ()))
 
 
 def state_of(step: int) -> dict:
@@ -123,7 +123,7 @@ def one_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_ls_local_judges_a_copy_without_a_manifest_as_recovery_does(one_save, tmp_path, capsys):
     # the rank-0-silent layout: node a committed NAME (manifest + metadata), node b holds the
     # shard it wrote, without the manifest that never reached it. Recovery counts b's shard
-    # (restore._plan); `ls --local` must say the same: recoverable from the nodes, nothing
+    # (candidates.agree); `ls --local` must say the same: recoverable from the nodes, nothing
     # missing. It says "partial" / "no node holds 1 of its file(s)" and lists b's folder
     # nowhere (its "not committed on any tier" line is suppressed: a has a manifest)
     a, b = tmp_path / "a", tmp_path / "b"
@@ -133,8 +133,8 @@ def test_ls_local_judges_a_copy_without_a_manifest_as_recovery_does(one_save, tm
         shutil.copy2(f, (b if f.name.endswith(SHARD_SUFFIX) else a) / NAME / f.name)
     (tmp_path / "dir").mkdir()
     scans = [scan_node(Storage(a)), scan_node(Storage(b))]
-    surveys = [restore._Survey(n, s) for n, s in zip("ab", scans, strict=True)]
-    choice = restore._plan(tiers_of("a", "b"), surveys, set())
+    surveys = [candidates.Survey(n, s) for n, s in zip("ab", scans, strict=True)]
+    choice = candidates.agree(tiers_of("a", "b"), surveys, set())
     assert choice.plan.checkpoint == NAME and choice.plan.tier == "peer"  # recovery: yes
     code, out, err = run(
         capsys, "ls", str(tmp_path / "dir"), "--local", str(a), "--local", str(b), "--json"

@@ -135,7 +135,7 @@ def slow_replication_once(root: str, nodes: list[str], delay: float) -> int:
             assert handle is not None
             handle.result()
         eng.wait()
-        return eng._tiers.replica_failures  # type: ignore[union-attr]
+        return eng._placement.tiers.replica_failures  # type: ignore[attr-defined]
 
 
 def one_node_id_two_hosts(root: str, steps: int) -> None:
@@ -192,7 +192,7 @@ def shared_local_root(root: str, nodes: list[str], saves: int) -> dict[str, Any]
             assert handle is not None
             handle.result()
         eng.wait()
-        out["replica_failures"] = eng._tiers.replica_failures  # type: ignore[union-attr]
+        out["replica_failures"] = eng._placement.tiers.replica_failures  # type: ignore[attr-defined]
     s = state(-1)
     with CheckpointEngine(
         os.path.join(root, "persistent"),
@@ -227,4 +227,5 @@ def close_while_uploading(root: str, nodes: list[str]) -> dict[str, Any]:
         handle.result()
     t = time.monotonic()
     eng.close()
-    return {"close_s": round(time.monotonic() - t, 2), "failures": eng._tiers.persist_failures}  # type: ignore[union-attr]
+    failures = eng._placement.tiers.persist_failures  # type: ignore[attr-defined]
+    return {"close_s": round(time.monotonic() - t, 2), "failures": failures}

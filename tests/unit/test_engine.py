@@ -429,7 +429,7 @@ def test_save_blocks_only_briefly(tmp_path) -> None:
 def test_plan_cache_follows_structure_changes(engine: CheckpointEngine) -> None:
     engine.save({"a": torch.ones(4)}, step=1).result()
     engine.save({"a": torch.ones(4) * 2}, step=2).result()  # cached plan
-    assert engine._ctx.plan_cache is not None
+    assert engine._plan_cache is not None
     engine.save({"a": torch.ones(6) * 3, "b": torch.zeros(2)}, step=3).result()  # new plan
     loaded = {"a": torch.empty(6), "b": torch.empty(2)}
     engine.load(loaded)

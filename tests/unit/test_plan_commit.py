@@ -15,6 +15,7 @@ from lightning_elastic.core.dist.channel import CommitChannel, CommitDecision
 from lightning_elastic.core.dist.commit import commit_as_coordinator
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine
+from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
@@ -22,7 +23,15 @@ from lightning_elastic.core.format.manifest import (
     shard_file_name,
 )
 from lightning_elastic.core.save.plan import plan_save
-from lightning_elastic.core.save.request import PlannedSave, SaveRequest
+from lightning_elastic.core.save.request import (
+    PlannedSave,
+    RunState,
+    SaveConfig,
+    SaveRequest,
+    SaveTarget,
+)
+from lightning_elastic.core.save.stage import HostArena
+from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import CheckpointExistsError, CheckpointSaveError, Phase, RankFailure
 
 
@@ -38,8 +47,8 @@ def plans(monkeypatch) -> list[PlannedSave]:
     """Every PlannedSave the engine makes, in order."""
     seen: list[PlannedSave] = []
 
-    def spy(ctx, state_dict, request, walked=None):
-        planned = plan_save(ctx, state_dict, request, walked)
+    def spy(target, run, state_dict, request, walked=None, cache=None):
+        planned = plan_save(target, run, state_dict, request, walked, cache)
         seen.append(planned)
         return planned
 
@@ -277,28 +286,40 @@ def test_overwrite_of_a_new_name_is_a_plain_save(engine) -> None:
     assert result.name == "fresh"
 
 
-def test_the_staging_record_is_written_before_any_rank_writes(engine) -> None:
-    planned = plan_save(engine._ctx, {"x": torch.ones(1)}, SaveRequest(step=8))
-    record = json.loads((root(engine) / planned.name / STAGING_FILE).read_text())
+@pytest.fixture
+def parts(tmp_path) -> tuple[SaveTarget, RunState]:
+    """What the phases of one save take, as an engine of one process makes them."""
+    coord = Coordinator.single_process()
+    storage = Storage(tmp_path / "ckpts")
+    channel = CommitChannel(
+        coord.store, rank=0, world_size=1, namespace=coord.key("commit"), timeout_s=60.0
+    )
+    config = SaveConfig(timeout_s=60.0)
+    return SaveTarget(storage, Catalog(storage), coord, channel, HostArena(), config), RunState("r")
+
+
+def test_the_staging_record_is_written_before_any_rank_writes(parts) -> None:
+    target, run = parts
+    planned = plan_save(target, run, {"x": torch.ones(1)}, SaveRequest(step=8))
+    record = json.loads((Path(target.storage.full()) / planned.name / STAGING_FILE).read_text())
     assert planned.name == "step_000000008"
-    assert record["run_id"] == engine.run_id
+    assert record["run_id"] == run.run_id == "r"
     assert planned.save_id in json.dumps(record) and record["step"] == 8
     assert len(planned.save_id) == 16
-    assert planned.deadline == pytest.approx(planned.started + engine._ctx.timeout_s)
+    assert planned.deadline == pytest.approx(planned.started + target.config.timeout_s)
 
 
-def test_every_save_gets_a_new_save_id(engine) -> None:
-    ids = {
-        plan_save(engine._ctx, {"x": torch.ones(1)}, SaveRequest(step=s)).save_id for s in range(5)
-    }
-    assert len(ids) == 5
+def test_every_save_gets_a_new_save_id(parts) -> None:
+    target, run = parts
+    saves = [plan_save(target, run, {"x": torch.ones(1)}, SaveRequest(step=s)) for s in range(5)]
+    assert len({p.save_id for p in saves}) == 5
 
 
 # ---------------------------------------------------------------- commit
 
 
-def planned_save(engine: CheckpointEngine, step: int = 1) -> PlannedSave:
-    return plan_save(engine._ctx, {"x": torch.ones(3)}, SaveRequest(step=step))
+def planned_save(parts: tuple[SaveTarget, RunState], step: int = 1) -> PlannedSave:
+    return plan_save(*parts, {"x": torch.ones(3)}, SaveRequest(step=step))
 
 
 def failed_report(rank: int) -> dict:
@@ -310,13 +331,13 @@ def published(channel: CommitChannel, save_id: str) -> CommitDecision:
     return CommitDecision.from_json(channel.store.get(channel._key(save_id, "decision")))
 
 
-def test_a_failed_report_commits_nothing_and_discards_the_directory(engine) -> None:
-    ctx = engine._ctx
-    planned = planned_save(engine)
-    ckpt_dir = root(engine) / planned.name
+def test_a_failed_report_commits_nothing_and_discards_the_directory(parts) -> None:
+    ctx, run = parts
+    planned = planned_save(parts)
+    ckpt_dir = Path(ctx.storage.full()) / planned.name
     (ckpt_dir / shard_file_name(planned.save_id, 0)).write_bytes(b"x" * 10)  # partial
     ctx.channel.report(planned.save_id, failed_report(0))
-    decision, manifest = commit_as_coordinator(ctx, planned, ctx.storage.child(planned.name))
+    decision, manifest = commit_as_coordinator(ctx, run, planned, ctx.storage.child(planned.name))
     assert manifest is None and not decision.committed
     assert decision.failures == (RankFailure(0, "write", "StorageFullError", "no space left"),)
     assert published(ctx.channel, planned.save_id) == decision
@@ -325,33 +346,33 @@ def test_a_failed_report_commits_nothing_and_discards_the_directory(engine) -> N
     assert isinstance(error, CheckpointSaveError) and error.failed_ranks == [0]
 
 
-def test_a_missing_rank_commits_nothing_and_keeps_only_the_staging_record(engine) -> None:
-    ctx = engine._ctx
-    planned = planned_save(engine)
-    ckpt_dir = root(engine) / planned.name
+def test_a_missing_rank_commits_nothing_and_keeps_only_the_staging_record(parts) -> None:
+    ctx, run = parts
+    planned = planned_save(parts)
+    ckpt_dir = Path(ctx.storage.full()) / planned.name
     (ckpt_dir / shard_file_name(planned.save_id, 0)).write_bytes(b"x" * 10)
     two_ranks = CommitChannel(
         dist.HashStore(),
         rank=0,
         world_size=2,
         namespace="t",
-        timeout_s=ctx.timeout_s,
+        timeout_s=ctx.config.timeout_s,
         clock=lambda: planned.deadline + 1.0,  # the deadline has passed: no waiting
     )
     ctx = dataclasses.replace(ctx, channel=two_ranks)
     two_ranks.report(planned.save_id, {"ok": True, "file": None, "results": [], "rank": {}})
-    decision, manifest = commit_as_coordinator(ctx, planned, ctx.storage.child(planned.name))
+    decision, manifest = commit_as_coordinator(ctx, run, planned, ctx.storage.child(planned.name))
     assert manifest is None and not decision.committed
-    assert decision.missing == (1,) and decision.timeout_s == ctx.timeout_s
+    assert decision.missing == (1,) and decision.timeout_s == ctx.config.timeout_s
     assert published(two_ranks, planned.save_id) == decision
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [STAGING_FILE]
     assert decision.error("ckpt").missing_ranks == [1]
 
 
-def test_a_manifest_that_appeared_meanwhile_is_not_overwritten_or_removed(engine) -> None:
-    ctx = engine._ctx
-    planned = planned_save(engine)
-    ckpt_dir = root(engine) / planned.name
+def test_a_manifest_that_appeared_meanwhile_is_not_overwritten_or_removed(parts) -> None:
+    ctx, run = parts
+    planned = planned_save(parts)
+    ckpt_dir = Path(ctx.storage.full()) / planned.name
     (ckpt_dir / MANIFEST_FILE).write_text('{"someone": "else"}')
     payload = engine_module.stage_save(ctx, planned, copy=False)
     from lightning_elastic.core.save import pipeline
@@ -359,7 +380,7 @@ def test_a_manifest_that_appeared_meanwhile_is_not_overwritten_or_removed(engine
     report = pipeline._write_and_report(ctx, planned, payload, 0.0)
     assert report["ok"]
     ctx.channel.report(planned.save_id, report)
-    decision, manifest = commit_as_coordinator(ctx, planned, ctx.storage.child(planned.name))
+    decision, manifest = commit_as_coordinator(ctx, run, planned, ctx.storage.child(planned.name))
     assert manifest is None and not decision.committed
     (failure,) = decision.failures
     assert failure.rank == 0 and failure.phase == "commit"

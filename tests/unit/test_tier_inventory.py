@@ -234,7 +234,7 @@ def test_a_node_is_the_host_name_unless_the_node_variable_names_it(tmp_path, mon
 
     def node_of() -> str:
         with CheckpointEngine(tmp_path / "persistent", local_root=tmp_path / "local") as eng:
-            tiers = eng._tiers  # type: ignore[attr-defined]
+            tiers = eng._placement.tiers  # type: ignore[attr-defined]
             return tiers.node
 
     monkeypatch.delenv(NODE_ENV, raising=False)

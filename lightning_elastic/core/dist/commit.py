@@ -36,7 +36,7 @@ from lightning_elastic.core.format.manifest import (
     shard_file_name,
 )
 from lightning_elastic.core.policy.housekeeping import discard_uncommitted
-from lightning_elastic.core.save.request import PlannedSave, SaveContext
+from lightning_elastic.core.save.request import PlannedSave, RunState, SaveTarget
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import CheckpointTimeoutError, Phase, RankFailure, StaleWriterError
@@ -47,28 +47,32 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 
 
 def commit_as_coordinator(
-    ctx: SaveContext, planned: PlannedSave, ckpt: Storage
+    target: SaveTarget, run: RunState, planned: PlannedSave, ckpt: Storage
 ) -> tuple[CommitDecision, Manifest | None]:
-    """Rank 0: collect every report and commit if all are good; publish the decision."""
-    what = ctx.storage.display(planned.name)
+    """Rank 0: collect every report and commit if all are good (the manifest carries ``run``'s
+    id, lineage and lease generation); publish the decision."""
+    what = target.storage.display(planned.name)
     manifest = None
 
     def commit(reports: Mapping[int, Any]) -> None:
         nonlocal manifest
-        manifest = _write_commit(ctx, planned, ckpt, reports)
+        body = _write_dcp_metadata(target, planned, ckpt, reports)
+        manifest = _write_manifest(target, run, planned, ckpt, body)
 
+    timeout_s = target.config.timeout_s
+    channel = target.channel
     decision = collect_and_commit(
-        ctx.channel, planned.save_id, planned.deadline, what, commit, ctx.timeout_s
+        channel, planned.save_id, planned.deadline, what, commit, timeout_s
     )
     if not decision.committed:
-        decision = _stale_first(ctx, decision)
-    ctx.channel.publish(planned.save_id, decision)
+        decision = _stale_first(target.storage, run, decision)
+    channel.publish(planned.save_id, decision)
     if not decision.committed:
         # With every rank reported nobody writes any more: remove it all (frees space on
         # ENOSPC). With ranks missing, keep the staging record so a later save can attribute
         # and remove whatever the stragglers still write.
         discard_uncommitted(
-            ctx.storage, planned.name, planned.save_id, keep_record=bool(decision.missing)
+            target.storage, planned.name, planned.save_id, keep_record=bool(decision.missing)
         )
     return decision, manifest
 
@@ -101,15 +105,16 @@ def collect_and_commit(
         return CommitDecision(False, (RankFailure.from_exception(0, Phase.COMMIT, exc),))
 
 
-def _stale_first(ctx: SaveContext, decision: CommitDecision) -> CommitDecision:
+def _stale_first(storage: Storage, run: RunState, decision: CommitDecision) -> CommitDecision:
     """A refused save of a stale writer says so, whatever else failed: the newer job's cleanup
     removes what a stale copy writes, so its saves can fail in any phase, and the old copy
     must still learn that it is stale (and stop)."""
     stale = StaleWriterError.__name__
-    if ctx.lease is None or any(f.error_type == stale for f in decision.failures):
+    lease = run.lease
+    if lease is None or any(f.error_type == stale for f in decision.failures):
         return decision
     try:
-        check_lease(ctx.storage, ctx.lease)
+        check_lease(storage, lease)
     except StaleWriterError as exc:  # rank 0's failure becomes the stale verdict
         failures = (*decision.failures, *exc.failures.values())
         return dataclasses.replace(decision, failures=failures)
@@ -118,9 +123,11 @@ def _stale_first(ctx: SaveContext, decision: CommitDecision) -> CommitDecision:
     return decision
 
 
-def _write_commit(
-    ctx: SaveContext, planned: PlannedSave, ckpt: Storage, reports: Mapping[int, Any]
-) -> Manifest:
+def _write_dcp_metadata(
+    target: SaveTarget, planned: PlannedSave, ckpt: Storage, reports: Mapping[int, Any]
+) -> _Commit:
+    """Rank 0, every report good: the DCP metadata of the save, with every rank's write
+    results, as ``<save_id>-dcp_metadata.json``; the manifest's files and ranks."""
     commit_start = time.monotonic()
     storage_data: dict[MetadataIndex, ItemLocation] = {}
     files, ranks = [], []
@@ -141,40 +148,57 @@ def _write_commit(
         )
         body = metadata_to_json(metadata, planned.skeleton).encode()
     dcp_file = dcp_metadata_file_name(planned.save_id)
-    written = ckpt.write_stream(dcp_file, lambda: (body,), checksum=ctx.checksum)
+    checksum = target.config.checksum
+    written = ckpt.write_stream(dcp_file, lambda: (body,), checksum=checksum)
     assert written.checksum is not None
     files.append(FileRecord(dcp_file, written.size, written.checksum, None))
-    request = planned.request
+    return _Commit(tuple(files), tuple(ranks), dcp_file, commit_start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Commit:
+    files: tuple[FileRecord, ...]
+    ranks: tuple[RankRecord, ...]
+    dcp_file: str
+    started: float
+
+
+def _write_manifest(
+    target: SaveTarget, run: RunState, planned: PlannedSave, ckpt: Storage, body: _Commit
+) -> Manifest:
+    """Rank 0: the manifest, written last with exclusive create (the commit), after the lease
+    check (a newer job of this run wins: refuse)."""
+    request, config, ranks, lease = planned.request, target.config, body.ranks, run.lease
     now = time.monotonic()
     manifest = Manifest(
-        run_id=ctx.run_id,
+        run_id=run.run_id,
         save_id=planned.save_id,
         name=planned.name.rsplit("/", 1)[-1],
         step=request.step,
         epoch=request.epoch,
         created_unix=time.time(),
-        world_size=ctx.coordinator.world_size,
-        ranks=tuple(ranks),
-        files=tuple(files),
-        checksum_algorithm=ctx.checksum,
+        world_size=target.coordinator.world_size,
+        ranks=ranks,
+        files=body.files,
+        checksum_algorithm=config.checksum,
         timings=Timings(
             staging_s=max(r.staging_s for r in ranks),
             writing_s=max(r.writing_s for r in ranks),
-            commit_s=now - commit_start,
+            commit_s=now - body.started,
             total_s=now - planned.started,
         ),
         versions=library_versions(),
-        compression=ctx.compression,
+        compression=config.compression,
         metrics=dict(request.metrics),
         metadata=dict(request.metadata),
-        resumed_from=ctx.resumed_from,
-        sequence=next_sequence(ctx.catalog, ctx.sequence_floor),
-        parent=ctx.parent,
-        generation=None if ctx.lease is None else ctx.lease.generation,
-        dcp_metadata=dcp_file,
+        resumed_from=run.resumed_from,
+        sequence=next_sequence(target.catalog, run.sequence_floor),
+        parent=run.parent,
+        generation=None if lease is None else lease.generation,
+        dcp_metadata=body.dcp_file,
     )
-    if ctx.lease is not None:
-        check_lease(ctx.storage, ctx.lease)  # a newer job of this run wins: refuse
+    if lease is not None:
+        check_lease(target.storage, lease)
     ckpt.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), exclusive=True)
     return manifest
 

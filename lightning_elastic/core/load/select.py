@@ -16,16 +16,18 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import Problem, raise_first, verify_files
 from lightning_elastic.core.format.manifest import SHARD_SUFFIX, FileRecord, Manifest
+from lightning_elastic.core.policy.retention import KeepBestK
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointWarning,
     Phase,
     UnsupportedFormatError,
 )
 
-__all__ = ["fused_share", "quarantine", "select_checkpoint"]
+__all__ = ["fused_share", "quarantine", "select_best", "select_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,27 @@ def select_checkpoint(
 
 
 RUN_NAMED = "run_named"  # manifest metadata: the run id was given explicitly (run_name=...)
+
+
+def select_best(
+    storage: Storage,
+    catalog: Catalog,
+    coord: Coordinator,
+    monitor: str,
+    mode: str,
+    verify: str,
+    *,
+    run_id: str | None = None,
+) -> CheckpointInfo | None:
+    """The valid checkpoint with the best ``monitor`` recorded in its manifest (``mode``:
+    ``"min"`` or ``"max"``, ranked as ``KeepBestK`` ranks; ties go to the newer), verified
+    with ``verify``, walking past corrupt ones (quarantined); ``None`` when none recorded it."""
+    if not monitor or not isinstance(monitor, str):
+        raise ConfigError(f"best() needs the name of a recorded metric, got {monitor!r}")
+    ranking = KeepBestK(1, monitor, mode)  # validates mode (ConfigError)
+    return select_checkpoint(
+        storage, catalog, coord, None, verify, run_id=run_id, order=ranking.ranked
+    )
 
 
 def _newest_first(scan: list[CheckpointInfo]) -> list[CheckpointInfo]:

@@ -28,7 +28,7 @@ from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.manifest import Manifest, RankRecord, shard_file_name
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.policy.housekeeping import after_commit
-from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
+from lightning_elastic.core.save.request import PlannedSave, RunState, SaveResult, SaveTarget
 from lightning_elastic.core.save.stage import Payload, direct_payload, stage_payload
 from lightning_elastic.core.save.write import write_shard
 from lightning_elastic.errors import Phase, RankFailure
@@ -41,16 +41,17 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 _GRACE_MIN_S = 2.0
 
 
-def stage_save(ctx: SaveContext, planned: PlannedSave, copy: bool) -> Payload:
+def stage_save(target: SaveTarget, planned: PlannedSave, copy: bool) -> Payload:
     """This rank's items as one payload: copied into the host arena, or views of the live
     tensors (``copy=False``, for a save that writes before returning)."""
     if copy:
-        return stage_payload(planned.plan.items, planned.planner, ctx.arena)
+        return stage_payload(planned.plan.items, planned.planner, target.arena)
     return direct_payload(planned.plan.items, planned.planner)
 
 
 def finish_save(
-    ctx: SaveContext,
+    target: SaveTarget,
+    run: RunState,
     planned: PlannedSave,
     payload: Payload,
     blocked_s: float,
@@ -61,27 +62,27 @@ def finish_save(
     """Write this rank's shard, take part in the commit, and return or raise the outcome.
     ``housekeeping=False``: rank 0 leaves :func:`housekeep` (claims, leftovers, retention)
     after its commit to the caller."""
-    coord = ctx.coordinator
-    ckpt = ctx.storage.child(planned.name)
+    coord, channel = target.coordinator, target.channel
+    ckpt = target.storage.child(planned.name)
     write_start = time.monotonic()
-    report = _write_and_report(ctx, planned, payload, staging_s)
+    report = _write_and_report(target, planned, payload, staging_s)
     writing_s = time.monotonic() - write_start
-    what = ctx.storage.display(planned.name)
-    ctx.channel.report(planned.save_id, report)
+    what = target.storage.display(planned.name)
+    channel.report(planned.save_id, report)
     manifest: Manifest | None = None
     try:
         if coord.is_coordinator:
-            decision, manifest = commit_as_coordinator(ctx, planned, ckpt)
+            decision, manifest = commit_as_coordinator(target, run, planned, ckpt)
         else:
-            grace = max(_GRACE_MIN_S, 0.1 * ctx.timeout_s)
-            decision = ctx.channel.await_decision(planned.save_id, planned.deadline + grace, what)
+            grace = max(_GRACE_MIN_S, 0.1 * target.config.timeout_s)
+            decision = channel.await_decision(planned.save_id, planned.deadline + grace, what)
     finally:
-        ctx.channel.ack(planned.save_id)
+        channel.ack(planned.save_id)
     if not decision.committed:
         raise decision.error(what)
-    ctx.parent = planned.name  # the next save continues this one
+    run.committed(planned.name)  # the next save continues this one
     if manifest is not None and housekeeping:
-        housekeep(ctx, manifest)
+        housekeep(target, run, manifest)
     return SaveResult(
         name=planned.name,
         location=what,
@@ -95,36 +96,36 @@ def finish_save(
     )
 
 
-def housekeep(ctx: SaveContext, manifest: Manifest) -> None:
-    """After ``manifest`` was committed in ``ctx.storage``: its claim and strays, leftovers,
-    then ``ctx.retention`` (never a protected checkpoint: a frozen copy of the set, which the
-    training thread may change meanwhile)."""
+def housekeep(target: SaveTarget, run: RunState, manifest: Manifest) -> None:
+    """After ``manifest`` was committed in ``target.storage``: its claim and strays,
+    leftovers, then the target's retention (never a checkpoint ``run`` protects: a frozen
+    copy of the set, which the training thread may change meanwhile)."""
     after_commit(
-        ctx.storage,
-        ctx.catalog,
+        target.storage,
+        target.catalog,
         manifest,
         name=manifest.name,
-        run_id=ctx.run_id,
-        retention=ctx.retention,
-        protected=frozenset(ctx.protected),
-        grace_s=ctx.leftover_grace_s,
+        run_id=run.run_id,
+        retention=target.config.retention,
+        protected=run.protected,
+        grace_s=target.config.leftover_grace_s,
     )
 
 
 def _write_and_report(
-    ctx: SaveContext, planned: PlannedSave, payload: Payload, staging_s: float
+    target: SaveTarget, planned: PlannedSave, payload: Payload, staging_s: float
 ) -> dict[str, Any]:
     """Write this rank's shard; the report for rank 0 (``ok`` with file and DCP results, or
     the failure). A failed write removes its partial file (frees the space on ENOSPC)."""
-    coord = ctx.coordinator
-    ckpt = ctx.storage.child(planned.name)
+    coord, config = target.coordinator, target.config
+    ckpt = target.storage.child(planned.name)
     file_name = shard_file_name(planned.save_id, coord.rank)
     start = time.monotonic()
     try:
         shard = None
         if payload.items:
             shard = write_shard(
-                ckpt, file_name, payload, checksum=ctx.checksum, compression=ctx.compression
+                ckpt, file_name, payload, checksum=config.checksum, compression=config.compression
             )
         record = _rank_record(
             coord.rank,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_elastic.core.save.request import SaveContext, SaveRequest
+    from lightning_elastic.core.save.request import RunState, SaveRequest, SaveTarget
     from lightning_elastic.core.storage.base import Storage
 
 
@@ -82,16 +82,20 @@ class PlanCache:
 
 
 def plan_save(
-    ctx: SaveContext,
+    target: SaveTarget,
+    run: RunState,
     state_dict: dict[str, Any],
     request: SaveRequest,
     walked: StateWalk | None = None,
+    cache: PlanCache | None = None,
 ) -> PlannedSave:
-    """Every rank, together: the plan of this save of ``state_dict``, rank 0 having claimed its
-    directory (see the module docstring). ``walked``: this save's replica check's walk, whose
-    branches are reused where ``state_dict`` holds the same objects. A failure on any rank is
+    """Every rank, together: the plan of this save of ``state_dict`` into ``target``, rank 0
+    having claimed its directory (and taken ``run``'s lease; see the module docstring).
+    ``walked``: this save's replica check's walk, whose branches are reused where
+    ``state_dict`` holds the same objects. ``cache``: the previous plan's
+    (:attr:`PlannedSave.cache`; this rank's, kept by the caller). A failure on any rank is
     raised on every rank."""
-    coord = ctx.coordinator
+    coord = target.coordinator
     planner = DefaultSavePlanner()
     started = time.monotonic()
     what = f"checkpoint of step {request.step}"
@@ -99,7 +103,6 @@ def plan_save(
     local: SavePlan | None = None
     local_error: Exception | None = None
     shape: Skeleton = None
-    cache = ctx.plan_cache
     leaves: list[Any] | None = None
     fqns: list[str] | None = None
     try:
@@ -125,11 +128,11 @@ def plan_save(
     attempt, save_int, name_error = 0, 0, None
     if coord.is_coordinator:
         try:
-            if ctx.lease is None or ctx.lease.run_id != ctx.run_id:
-                ctx.lease = take_lease(ctx.storage, ctx.run_id)
+            if run.lease is None or run.lease.run_id != run.run_id:
+                run.lease = take_lease(target.storage, run.run_id)
             save_int = secrets.randbits(63)
-            record = StagingRecord(ctx.run_id, f"{save_int:016x}", request.step, time.time())
-            attempt = _claim(ctx, request, record)
+            record = StagingRecord(run.run_id, f"{save_int:016x}", request.step, time.time())
+            attempt = _claim(target, run.reserved_names, request, record)
         except Exception as exc:
             name_error = exc
     changed, attempt, save_int = coord.max_ints(
@@ -154,7 +157,7 @@ def plan_save(
             if name_error is not None:
                 raise name_error
             plans = [p for p, _ in locals_]
-            if ctx.small_replicated_to_lowest:
+            if target.config.small_replicated_to_lowest:
                 plans = small_replicated_to_lowest(plans)
             plans, kept["metadata"] = planner.create_global_plan(plans)
             merged_shape: Skeleton = None
@@ -168,7 +171,7 @@ def plan_save(
         )
         metadata, merged = kept.get("metadata"), kept.get("skeleton")
         assert local is not None
-        ctx.plan_cache = PlanCache(
+        cache = PlanCache(
             local, shape, final, metadata, merged, dict(planner.mappings), leaves, fqns
         )
     return PlannedSave(
@@ -180,8 +183,9 @@ def plan_save(
         dcp_metadata=metadata,
         skeleton=merged,
         started=started,
-        deadline=started + ctx.timeout_s,
+        deadline=started + target.config.timeout_s,
         cached=not changed,
+        cache=cache,
     )
 
 
@@ -243,13 +247,15 @@ def _name(request: SaveRequest, attempt: int) -> str:
     return checkpoint_name(request.step, attempt)
 
 
-def _claim(ctx: SaveContext, request: SaveRequest, record: StagingRecord) -> int:
+def _claim(
+    target: SaveTarget, reserved: Collection[str], request: SaveRequest, record: StagingRecord
+) -> int:
     """Rank 0: claim the save's directory by creating its staging record exclusively (and
     durably), so no two saves - of this job, a stale copy of it, or another run sharing the
     root - ever write into one directory. Returns 0 for the plain name, n for ``-n``: a
     directory that holds a checkpoint (committed, quarantined, or an abandoned branch's) or
     another save's claim is never written again."""
-    storage = ctx.storage
+    storage = target.storage
     body = record.to_json().encode()
     if request.name is not None:
         name = request.name.strip("/")
@@ -260,14 +266,14 @@ def _claim(ctx: SaveContext, request: SaveRequest, record: StagingRecord) -> int
                     "pass overwrite=True to replace it or choose another name"
                 )
             storage.delete(f"{name}/{MANIFEST_FILE}")  # uncommit first, then replace
-            ctx.catalog.forget(name)
+            target.catalog.forget(name)
         if request.overwrite:
             storage.delete(f"{name}/{STAGING_FILE}")  # the replaced save's (or a crashed) claim
         storage.write_bytes(f"{name}/{STAGING_FILE}", body, exclusive=True)
         return 0
     for attempt in range(1000):
         name = checkpoint_name(request.step, attempt)
-        if name in ctx.reserved_names:
+        if name in reserved:
             continue  # multi-tier: the name is taken on another node or the persistent root
         if storage.exists(f"{name}/{MANIFEST_FILE}") or storage.exists(f"{name}/{QUARANTINE_FILE}"):
             continue

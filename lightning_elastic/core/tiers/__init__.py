@@ -7,7 +7,11 @@ reads each file from the fastest tier holding it (local, then a peer, then persi
   replicas, the persist lane;
 * :mod:`~lightning_elastic.core.tiers.persist` - persisting a local checkpoint (same commit
   protocol as any save);
-* :mod:`~lightning_elastic.core.tiers.restore` - recovery at start (:func:`recover`);
+* :mod:`~lightning_elastic.core.tiers.restore` - one recovery attempt at start, for the load
+  walk (:func:`~lightning_elastic.core.tiers.restore.attempt`);
+* :mod:`~lightning_elastic.core.tiers.candidates` - which checkpoint a recovery takes (survey,
+  agreement);
+* :mod:`~lightning_elastic.core.tiers.gather` - every node's copy made complete (verify, fetch);
 * :mod:`~lightning_elastic.core.tiers.transfer` - moving files between ranks (gloo p2p);
 * :mod:`~lightning_elastic.core.tiers.inventory` - what a node-local root holds;
 * :mod:`~lightning_elastic.core.tiers.survey` - which tiers hold each checkpoint (for tools);

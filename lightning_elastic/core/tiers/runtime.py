@@ -1,7 +1,8 @@
 """The save side of multi-tier checkpoints: one engine's node-local tier, replicas on other
 nodes, and the persistent root it persists every k-th save to.
 
-Which rank calls what, in what order (the engine does; every rank, same order):
+Which rank calls what, in what order (the engine does, through the tiered placement
+:class:`~lightning_elastic.core.placement.tiered.Tiered`; every rank, same order):
 
 * construction (collective): the node layout is gathered
   (:class:`~lightning_elastic.core.tiers.layout.NodeLayout`) and a dedicated gloo group is
@@ -30,9 +31,6 @@ and the replicas it received; a missing file there is normal (never "corrupt").
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -40,7 +38,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_elastic.core.dist.channel import CommitChannel
-from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
@@ -48,18 +45,22 @@ from lightning_elastic.core.options import check_count
 from lightning_elastic.core.policy.housekeeping import apply_retention
 from lightning_elastic.core.policy.retention import RetentionPolicy
 from lightning_elastic.core.save.pipeline import finish_save, housekeep
-from lightning_elastic.core.save.request import PlannedSave, SaveContext, SaveResult
+from lightning_elastic.core.save.request import PlannedSave, RunState, SaveResult, SaveTarget
 from lightning_elastic.core.save.stage import Payload
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.local import LocalStorage
 from lightning_elastic.core.tiers.epoch import EPOCH_SHIFT, claim_epoch
-from lightning_elastic.core.tiers.layout import NODE_ENV, NodeLayout, node_name
+from lightning_elastic.core.tiers.layout import (
+    NodeLayout,
+    check_apart,
+    check_node_local,
+    node_name,
+)
 from lightning_elastic.core.tiers.persist import PersistentTier, persist_checkpoint
 from lightning_elastic.core.tiers.transfer import Transfer, TransferError, execute_transfers
 from lightning_elastic.errors import (
     CheckpointExistsError,
     ConfigError,
-    DistributedFailure,
     ManifestNotReceivedError,
     Phase,
     SaveTimeoutError,
@@ -75,49 +76,37 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 TIER_ROOT_KEY = "tier_persistent_root"
 
 
-def _overlap(a: Storage, b: Storage) -> bool:
-    """Whether two roots are one directory (however spelled) or one lies inside the other."""
-    if a.is_local != b.is_local or (
-        not a.is_local and a.url.split("://")[0] != b.url.split("://")[0]
-    ):
-        return False
-    pa, pb = (os.path.realpath(s.root) if s.is_local else s.root.rstrip("/") for s in (a, b))
-    return pa == pb or pa.startswith(pb.rstrip("/") + "/") or pb.startswith(pa.rstrip("/") + "/")
-
-
 class TierSet:
     """The tiers of one engine (see the module docstring)."""
 
     def __init__(
         self,
+        target: SaveTarget,
+        run: RunState,
         *,
-        coordinator: Coordinator,
-        local: Storage,
         persistent: Storage,
         persist_every_n_saves: int = 1,
         replicas: int = 1,
         retention: Sequence[RetentionPolicy] = (),
         node: str | None = None,
-        timeout: timedelta = timedelta(minutes=10),
-        grace_s: float = 1200.0,
     ) -> None:
+        """``target``: where saves commit first (its storage is the node-local root, its
+        retention the local one); ``run``: the engine's run state; ``persistent``: the
+        persistent root, with its own ``retention``."""
         self.every = check_count(persist_every_n_saves, "persist_every_n_saves")
         self.replicas = check_count(replicas, "replicas", minimum=0)
-        if _overlap(local, persistent):
-            raise ConfigError(
-                f"the node-local root {local.display()} and the persistent root "
-                f"{persistent.display()} are the same directory or one holds the other: give "
-                "local_dirpath a node-local directory of its own (/dev/shm/..., a local disk)"
-            )
-        coord = self.coordinator = coordinator
+        local = target.storage
+        check_apart(local, persistent)
+        coord = self.coordinator = target.coordinator
+        self.target, self.run = target, run
         self.local = local
         # deleted checkpoints' large files are kept for the next save to overwrite (no new
         # pages to fault in); the node's lead sizes the pool after each save (_size_spares)
         self.spares = local.keep_spares() if isinstance(local, LocalStorage) else None
-        self.timeout = timeout
+        timeout = self.timeout = timedelta(seconds=target.config.timeout_s)
         self.node = node or node_name()
         self.layout = NodeLayout.gather(coord, self.node)
-        self._check_shared_root()
+        check_node_local(coord, self.layout, self.node, local)
         self.group: dist.ProcessGroup | None = None
         if coord.distributed:
             if dist.get_world_size() != coord.world_size:
@@ -137,7 +126,11 @@ class TierSet:
             )
 
         self.persistent = PersistentTier(
-            persistent, Catalog(persistent), channel("persist"), tuple(retention), grace_s=grace_s
+            persistent,
+            Catalog(persistent),
+            channel("persist"),
+            tuple(retention),
+            grace_s=target.config.leftover_grace_s,
         )
         self._manifests = channel("tier")
         self._since_persist = 0
@@ -152,63 +145,14 @@ class TierSet:
         self.replica_failures = 0
         self.persist_failures = 0
 
-    def _check_shared_root(self) -> None:
-        """Construction (collective): every rank of a node must see the node's local root,
-        or its shards would pile up where no manifest and no retention ever reach (two hosts
-        with one node id: a copied ``$LIGHTNING_ELASTIC_NODE``, identical host names)."""
-        coord, local = self.coordinator, self.local
-        lead = self.layout.lead(self.node)
-        tag = hashlib.sha1(self.node.encode()).hexdigest()[:12]  # any id makes a file name
-        probe = f".tier-probe-{tag}-{uuid.uuid4().hex[:12]}"
-
-        def write() -> str | None:
-            if coord.rank != lead:
-                return None
-            try:
-                local.write_bytes(probe, b"", durable=False)
-            except StorageError as exc:
-                raise ConfigError(
-                    f"the node-local root (local_dirpath) {local.display()} of node "
-                    f"{self.node!r} cannot be written: {exc}. Give a directory every rank of "
-                    "the node can create and write (/dev/shm/..., a local disk)"
-                ) from exc
-            return probe
-
-        probes = coord.all_gather(Phase.INIT, write, error=DistributedFailure)
-        mine = probes[lead]
-        assert mine is not None
-        others = [p for r, p in enumerate(probes) if p is not None and r != lead]
-
-        def look() -> tuple[bool, bool]:
-            return local.exists(mine), any(local.exists(p) for p in others)
-
-        seen = coord.all_gather(Phase.INIT, look, error=DistributedFailure)
-        if coord.rank == lead:
-            with contextlib.suppress(Exception):
-                local.delete(mine)
-        blind = [r for r, (ok, _) in enumerate(seen) if not ok]
-        if blind:
-            raise ConfigError(
-                f"rank(s) {blind} report the node id of other ranks but do not see their "
-                f"node-local root ({local.display()}): give every host its own node id "
-                f"(${NODE_ENV} or distinct host names)"
-            )
-        shared = [r for r, (_, other) in enumerate(seen) if other]
-        if shared:
-            raise ConfigError(
-                f"rank(s) {shared} see the local root of another node in {local.display()}: "
-                "local_dirpath must be node-local (/dev/shm, a local disk), not a shared file "
-                "system, or replicas would land in the directory they protect"
-            )
-
     # ------------------------------------------------------------------ training thread
 
-    def decide(self, ctx: SaveContext, force: bool) -> bool:
+    def decide(self, force: bool) -> bool:
         """Every rank, before planning a save: whether it is persisted (module docstring).
         Never raises a failed persist's error: the local save goes ahead and the next save
         persists again (the error is logged on every rank and raised by :meth:`wait`)."""
         if not self._names_known:
-            self._reserve_names(ctx)
+            self._reserve_names()
         running = self._persisting
         busy, broken = self.coordinator.max_ints(
             [0 if running is None or running.done() else 1, 1 if self._group_broken else 0],
@@ -218,13 +162,13 @@ class TierSet:
             self._rebuild_group()
         idle = not busy
         if running is not None and (idle or force):
-            self._finished(ctx)  # waits when forced
+            self._finished()  # waits when forced
             idle = True
         persist = idle and (force or self._since_persist + 1 >= self.every)
         self._since_persist = 0 if persist else self._since_persist + 1
         return persist
 
-    def _reserve_names(self, ctx: SaveContext) -> None:
+    def _reserve_names(self) -> None:
         """Every rank, before the first save: rank 0 learns every directory name of every
         node's local root and of the persistent root, and never claims one of them (it claims
         in its own root only): one name is one checkpoint on every tier, also after a
@@ -237,7 +181,8 @@ class TierSet:
             newest = 0  # commits draw sequences above every node's too (one commit order)
             if self.layout.is_lead(self.coordinator.rank):
                 found += [e.name for e in self.local.listdir() if e.is_dir]
-                newest = max([i.sequence for i in ctx.catalog.scan() if i.manifest], default=0)
+                scan = self.target.catalog.scan()
+                newest = max([i.sequence for i in scan if i.manifest], default=0)
             if self.coordinator.is_coordinator:
                 found += [e.name for e in self.persistent.storage.listdir() if e.is_dir]
                 # this job's commits are newer than any earlier job's, on any node, even one
@@ -246,8 +191,8 @@ class TierSet:
             return found, newest
 
         gathered = self.coordinator.all_gather(Phase.SAVE_DECIDE, names)
-        ctx.reserved_names |= {n for got, _ in gathered for n in got}
-        ctx.sequence_floor = max([ctx.sequence_floor, *(newest for _, newest in gathered)])
+        self.run.reserve(n for got, _ in gathered for n in got)
+        self.run.raise_floor(newest for _, newest in gathered)
         self._names_known = True
 
     def resumed(self, manifest: Manifest, *, persisted: bool) -> None:
@@ -259,26 +204,26 @@ class TierSet:
         self._latest = manifest
         self._persisted_name = manifest.name if persisted else None
 
-    def persist_latest(self, ctx: SaveContext) -> bool:
+    def persist_latest(self) -> bool:
         """Every rank, training thread, no save in flight: persist the newest local save now
         unless it is persisted already, and wait for it, raising its error. For the end of a
         fit and a preemption signal when the newest step was saved by the schedule already."""
         if self._persisting is not None:
-            self._finished(ctx)
+            self._finished()
         latest = self._latest
         if latest is None or latest.name == self._persisted_name:
-            self.wait(ctx)  # the newest attempt's error, if it failed
+            self.wait()  # the newest attempt's error, if it failed
             return False
         self._persist_error = None  # an earlier failure is retried now, by the newest save
-        self._submit(ctx, latest)
-        self.wait(ctx)
+        self._submit(latest)
+        self.wait()
         return True
 
-    def wait(self, ctx: SaveContext) -> None:
+    def wait(self) -> None:
         """Wait for the persist in flight (every rank); raise the error of the newest persist
         attempt when it failed (once)."""
         if self._persisting is not None:
-            self._finished(ctx)
+            self._finished()
         error, self._persist_error = self._persist_error, None
         if error is not None:
             raise error
@@ -307,7 +252,7 @@ class TierSet:
                 dist.destroy_process_group(self.group)
         self.group = None
 
-    def _finished(self, ctx: SaveContext) -> None:
+    def _finished(self) -> None:
         """Collect the persist in flight (waiting for it). A failure is logged and kept for
         :meth:`wait`; the next save persists again."""
         future, name = self._persisting, self._persisting_name
@@ -315,9 +260,9 @@ class TierSet:
         if future is not None:
             with contextlib.suppress(Exception):
                 future.exception()  # done: the upload no longer reads the local copy
-        if name is not None and name != ctx.resumed_from:
-            ctx.protected.discard(name)  # local retention may delete it from now on
-            self._trim(ctx)
+        if name is not None and name != self.run.resumed_from:
+            self.run.release(name)  # local retention may delete it from now on
+            self._trim()
         if future is None:
             return
         try:
@@ -334,19 +279,20 @@ class TierSet:
         else:
             self._since_persist = self.every  # skipped there: persist the next save
 
-    def _trim(self, ctx: SaveContext) -> None:
+    def _trim(self) -> None:
         """A node's lead, no save in flight: apply the local retention now that an upload no
         longer protects its checkpoint (otherwise only the next commit would, and a job that
         ends keeps one checkpoint more than ``local_keep`` on each node)."""
-        if not self.layout.is_lead(ctx.coordinator.rank):
+        if not self.layout.is_lead(self.coordinator.rank):
             return
+        target = self.target
         try:
             apply_retention(
-                ctx.storage,
-                ctx.catalog,
-                run_id=ctx.run_id,
-                retention=ctx.retention,
-                protected=frozenset(ctx.protected),
+                target.storage,
+                target.catalog,
+                run_id=self.run.run_id,
+                retention=target.config.retention,
+                protected=self.run.protected,
             )
         except Exception as exc:
             log.warning("local retention on node %s failed: %r", self.node, exc)
@@ -355,7 +301,6 @@ class TierSet:
 
     def finish(
         self,
-        ctx: SaveContext,
         planned: PlannedSave,
         payload: Payload,
         blocked_s: float,
@@ -363,45 +308,46 @@ class TierSet:
         persist: bool,
     ) -> SaveResult:
         """The background part of a tiered save (module docstring)."""
-        result = finish_save(ctx, planned, payload, blocked_s, staging_s, housekeeping=False)
-        manifest, text = self._share_manifest(ctx, planned, result)
-        ctx.sequence_floor = max(ctx.sequence_floor, manifest.sequence)
-        if self._replicate(ctx, manifest, text, payload):  # this node's lead: its copy is
-            self._size_spares(ctx, manifest)  # committed; rank 0 retains only now, so its
-            housekeep(ctx, manifest)  # deletes (~0.1 s a GB) delay nobody's copies
+        target, run = self.target, self.run
+        result = finish_save(
+            target, run, planned, payload, blocked_s, staging_s, housekeeping=False
+        )
+        manifest, text = self._share_manifest(planned, result)
+        run.raise_floor([manifest.sequence])
+        if self._replicate(manifest, text, payload):  # this node's lead: its copy is
+            self._size_spares(manifest)  # committed; rank 0 retains only now, so its
+            housekeep(target, run, manifest)  # deletes (~0.1 s a GB) delay nobody's copies
         self._latest = manifest
         if persist:
-            self._submit(ctx, manifest)
+            self._submit(manifest)
         return result
 
-    def _submit(self, ctx: SaveContext, manifest: Manifest) -> None:
+    def _submit(self, manifest: Manifest) -> None:
         """Hand the persist of ``manifest`` to the persister thread."""
-        ctx.protected.add(manifest.name)  # kept locally until it is uploaded
+        self.run.protect(manifest.name)  # kept locally until it is uploaded
         self._persisting_name = manifest.name
         self._persisting = self._persister().submit(
             persist_checkpoint,
             self.persistent,
-            local=ctx.storage,
+            local=self.local,
             manifest=manifest,
-            rank=ctx.coordinator.rank,
+            rank=self.coordinator.rank,
             timeout_s=self.timeout.total_seconds(),
-            protected=frozenset(ctx.protected),
+            protected=self.run.protected,
         )
 
-    def _share_manifest(
-        self, ctx: SaveContext, planned: PlannedSave, result: SaveResult
-    ) -> tuple[Manifest, str]:
+    def _share_manifest(self, planned: PlannedSave, result: SaveResult) -> tuple[Manifest, str]:
         """Every rank gets the committed manifest and its text (rank 0 posts it through the
         store)."""
         ch, save_id = self._manifests, planned.save_id
-        what = ctx.storage.display(planned.name)
+        what = self.local.display(planned.name)
         try:
-            if ctx.coordinator.is_coordinator:
+            if self.coordinator.is_coordinator:
                 assert result.manifest is not None
                 text = result.manifest.to_json()
                 ch.post(save_id, "manifest", text)
             else:
-                deadline = planned.started + ctx.timeout_s + self.timeout.total_seconds()
+                deadline = planned.deadline + self.timeout.total_seconds()
                 try:
                     text = ch.fetch(save_id, "manifest", deadline, what)
                 except SaveTimeoutError as exc:  # rank 0 committed (its decision came), then
@@ -412,17 +358,17 @@ class TierSet:
             ch.ack(save_id)
         return result.manifest or Manifest.from_json(text, what), text
 
-    def _replicate(self, ctx: SaveContext, manifest: Manifest, text: str, payload: Payload) -> bool:
+    def _replicate(self, manifest: Manifest, text: str, payload: Payload) -> bool:
         """Replicas and the DCP metadata to the other nodes; then each other node's lead
         commits its copy (manifest last). Whether this rank is a node's lead whose root now
         holds the committed copy (rank 0: its own commit), to retain there. A rank's
         own shard is sent from its staged payload (still intact: the next save stages only
         after this one finished), not read back from the file it was written to; the
         receiver checks it against the manifest's checksum all the same."""
-        rank = ctx.coordinator.rank
+        rank, local = self.coordinator.rank, self.local
         transfers = self.transfers(manifest)
         sources = {}
-        if ctx.compression is None:  # else the file's bytes are not the payload's
+        if self.target.config.compression is None:  # else the file's bytes are not the payload's
             image = payload.image
 
             def chunks() -> Iterable[memoryview]:
@@ -439,7 +385,7 @@ class TierSet:
                     transfers,
                     rank=rank,
                     group=self.group,
-                    storage=ctx.storage,
+                    storage=local,
                     timeout=self.timeout,
                     sources=sources,
                 )
@@ -452,11 +398,11 @@ class TierSet:
             return rank == 0  # rank 0 committed into its node's root itself
         try:
             body = text.encode()
-            ctx.storage.write_bytes(f"{manifest.name}/{MANIFEST_FILE}", body, exclusive=True)
+            local.write_bytes(f"{manifest.name}/{MANIFEST_FILE}", body, exclusive=True)
         except CheckpointExistsError:
             log.warning(
                 "%s already holds a manifest: this node keeps no copy of the save",
-                ctx.storage.display(manifest.name),
+                local.display(manifest.name),
             )
             return False
         except Exception:
@@ -464,13 +410,13 @@ class TierSet:
             return False
         return True
 
-    def _size_spares(self, ctx: SaveContext, manifest: Manifest) -> None:
+    def _size_spares(self, manifest: Manifest) -> None:
         """Let the node's spare pool keep about what this save wrote on the node (its ranks'
         shards and the replicas it received): what the next save will write here."""
         if self.spares is None:
             return
         try:
-            entries = ctx.storage.listdir(manifest.name)
+            entries = self.local.listdir(manifest.name)
         except StorageError:
             return
         self.spares.limit = sum(e.size for e in entries if not e.is_dir and not e.is_link)
