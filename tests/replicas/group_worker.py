@@ -48,6 +48,7 @@ class Regression(pl.LightningModule):
         )
         self.die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
         self.sleep = float(os.environ.get("STEP_SLEEP", "0.05"))
+        self.events_seen = 0
 
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
@@ -70,6 +71,8 @@ class Regression(pl.LightningModule):
             digest.update(parameter.detach().cpu().numpy().tobytes())
         events = strategy.replicas.events if strategy.replicas is not None else []
         record = {
+            "kind": "step",
+            "t": time.time(),
             "group": os.environ.get("LIGHTNING_ELASTIC_REPLICA_GROUP"),
             "pid": os.getpid(),
             "rank": trainer.global_rank,
@@ -80,8 +83,14 @@ class Regression(pl.LightningModule):
             "failed": sum(1 for e in events if e.kind == "failed"),
             "participants": None if strategy.view is None else strategy.view.participants,
         }
+        new_events = events[self.events_seen :]
+        self.events_seen = len(events)
         with open(os.environ["JOURNAL"], "a") as journal:
             journal.write(json.dumps(record) + "\n")
+            for event in new_events:  # the quorum events this group saw, for the benchmark
+                entry = {"kind": "event", "event": event.kind, "at_step": event.step}
+                entry.update(stall_s=event.stall_s, participants=event.participants)
+                journal.write(json.dumps({**entry, **event.detail, "t": time.time()}) + "\n")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=0.01)

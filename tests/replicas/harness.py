@@ -20,6 +20,7 @@ import pytest
 WORKER = Path(__file__).with_name("group_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
+os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO otherwise
 ft = pytest.importorskip("torchft", reason="replica groups need torchft (the ft extra)")
 
 
@@ -125,10 +126,25 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue  # a line cut by a SIGKILL
+        if record.get("kind", "step") == "step":
+            records.append(record)
     return records
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The quorum events a group's journal holds (its ReplicaGroup.events, as they came)."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if record.get("kind") == "event":
+                events.append(record)
+    return events
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str, *groups: Group) -> None:
