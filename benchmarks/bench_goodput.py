@@ -17,6 +17,10 @@ start to the first step.
     python benchmarks/bench_goodput.py --mode loss --period 60 --duration 300
     python benchmarks/bench_goodput.py --mode none --duration 60
     python benchmarks/bench_goodput.py --mode planned --warm-start   # workers forked warm
+    python benchmarks/bench_goodput.py --mode loss --ft   # replica groups beside the restart path
+
+``--ft`` runs the same workload with replica groups (``strategy="elastic_ft"``, see
+``goodput_ft.py``) and the restart path, each with its fault-free run first, and prints both.
 """
 
 from __future__ import annotations
@@ -212,9 +216,24 @@ def main() -> None:
         action="store_true",
         help="lightning-elastic run --warm-start: workers forked with torch and Lightning imported",
     )
+    parser.add_argument(
+        "--ft",
+        action="store_true",
+        help="replica groups (elastic_ft) beside the restart path, fault-free runs included",
+    )
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="--ft: Lighthouse heartbeat")
+    parser.add_argument("--join", type=float, default=0.5, help="--ft: Lighthouse join timeout")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args()
     args.max_steps = 1_000_000  # the run is ended by --duration
+    if args.ft:
+        from benchmarks.goodput_ft import compare
+
+        both = json.dumps(compare(args, run, summary), indent=1)
+        print(both)
+        if args.json is not None:
+            args.json.write_text(both)
+        return
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
         result = run(args, Path(tmp))
     rate = args.fault_free_steps_per_s or 1.0 / args.step_time

@@ -33,6 +33,7 @@ _EXPORTS = {
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
     "ElasticSampler": "lightning_elastic.lightning.data",
     "ElasticFSDPStrategy": "lightning_elastic.lightning.fsdp",
+    "ElasticFTStrategy": "lightning_elastic.lightning.replicas",
     "ElasticShardedIterable": "lightning_elastic.lightning.streaming",
     "read_jsonl": "lightning_elastic.lightning.streaming",
     "ElasticStrategy": "lightning_elastic.lightning.strategy",
@@ -54,6 +55,7 @@ _EXPORTS = {
             "LoadTimeoutError",
             "ManifestError",
             "PerRankStateError",
+            "ReplicaGroupError",
             "SaveTimeoutError",
             "StaleWriterError",
             "StorageError",
@@ -104,6 +106,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
         LoadTimeoutError,
         ManifestError,
         PerRankStateError,
+        ReplicaGroupError,
         SaveTimeoutError,
         StaleWriterError,
         StorageError,
@@ -121,6 +124,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.lightning.data import ElasticSampler
     from lightning_elastic.lightning.fork_safety import ForkingWorkersWarning
     from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
+    from lightning_elastic.lightning.replicas import ElasticFTStrategy
     from lightning_elastic.lightning.strategy import ElasticStrategy
     from lightning_elastic.lightning.streaming import ElasticShardedIterable, read_jsonl
 

@@ -180,6 +180,18 @@ def _parser() -> argparse.ArgumentParser:
         "use up --max-restarts; --warm-start forks workers with torch and Lightning imported",
     )
 
+    from lightning_elastic import lighthouse
+
+    beacon = sub.add_parser(
+        "lighthouse",
+        help="torchft's Lighthouse for replica groups (strategy='elastic_ft'), in the "
+        "foreground until SIGTERM/Ctrl-C",
+        description=lighthouse.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    lighthouse.add_arguments(beacon)
+    beacon.set_defaults(func=lighthouse.serve)
+
     def verb(name: str, help: str, *, check: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.add_argument("--json", action="store_true", help="machine-readable output (JSON)")

@@ -30,6 +30,7 @@ __all__ = [
     "PerRankStateError",
     "Phase",
     "RankFailure",
+    "ReplicaGroupError",
     "SaveTimeoutError",
     "StaleWriterError",
     "StorageError",
@@ -183,6 +184,13 @@ class WeightsMismatchError(ElasticCheckpointError, RuntimeError):
 
 def _shape(shape: tuple[int, ...] | None) -> str:
     return "(not a tensor)" if shape is None else f"of shape {tuple(shape)}"
+
+
+class ReplicaGroupError(ElasticCheckpointError, RuntimeError):
+    """Replica groups (``strategy="elastic_ft"``): no quorum formed within the quorum timeout
+    (the Lighthouse is gone, or fewer groups than ``min_replica_groups`` are alive), or a step
+    could not commit after many attempts. Nothing committed is lost: the groups' durable
+    checkpoints are as they were; the message names the group and what it waited for."""
 
 
 class CorruptCheckpointWarning(UserWarning):

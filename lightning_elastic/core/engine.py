@@ -368,16 +368,28 @@ class CheckpointEngine:
         log.info("loaded checkpoint %s (step %s)", info.location, info.step)
         return result
 
+    def adopt_run(self, run_id: str) -> None:
+        """Write ``run_id`` from now on (not collective; every rank calls it with the same
+        id): a job that joins a run another job writes (replica groups share one run). An
+        engine given an explicit ``run_id`` keeps its own."""
+        check_run_name(run_id, "run_id")
+        if self._named is None and self._run.adopt(run_id):
+            log.info("writing run %s from now on", run_id)
+
     def list(self) -> list[CheckpointInfo]:
         """All checkpoint directories under the root, oldest first (local, not collective)."""
         return self.catalog.scan()
 
-    def take_over(self) -> None:
+    def take_over(self, *, renew: bool = False) -> None:
         """Take this job's lease on the run now (collective; rank 0 writes it), so a
         still-running older copy of the job cannot commit from here on (see
         :mod:`~lightning_elastic.core.dist.lease`). Call it once the job is sure to continue
-        the run; the first save takes it otherwise."""
-        self.coordinator.broadcast(Phase.LOAD, self._placement.take_over, error=CheckpointLoadError)
+        the run; the first save takes it otherwise. ``renew``: take a new generation even if
+        this job holds one (a writer that hands the run back and forth, such as the leader of
+        replica groups, becomes the newest writer again)."""
+        self.coordinator.broadcast(
+            Phase.LOAD, lambda: self._placement.take_over(renew=renew), error=CheckpointLoadError
+        )
 
     def check_writable(self) -> None:
         """Every rank writes and deletes a small probe file in the root, so a root that is a

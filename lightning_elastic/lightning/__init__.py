@@ -1,7 +1,7 @@
 """The Lightning adapters: the only package that imports lightning.
 
-Importing it (our strategies and ``DistributedCheckpoint`` do) registers ``strategy="elastic"``
-and ``"elastic_fsdp"`` and teaches Lightning,
+Importing it (our strategies and ``DistributedCheckpoint`` do) registers ``strategy="elastic"``,
+``"elastic_fsdp"`` and ``"elastic_ft"`` and teaches Lightning,
 once per process, to read our checkpoint directories: ``LightningModule.load_from_checkpoint``
 and ``Trainer.fit/validate/test/predict(ckpt_path=DIR)`` consolidate them on the fly
 (:mod:`.loading`), and ``ckpt_path="last"/"best"`` refer to a ``DistributedCheckpoint``'s
@@ -13,9 +13,16 @@ from lightning_elastic.lightning.callback import DistributedCheckpoint
 from lightning_elastic.lightning.data import ElasticSampler
 from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
 from lightning_elastic.lightning.loading import install_checkpoint_loader
+from lightning_elastic.lightning.replicas import ElasticFTStrategy
 from lightning_elastic.lightning.strategy import ElasticStrategy
 
 install_checkpoint_loader()
 install_alias_parser()
 
-__all__ = ["DistributedCheckpoint", "ElasticFSDPStrategy", "ElasticSampler", "ElasticStrategy"]
+__all__ = [
+    "DistributedCheckpoint",
+    "ElasticFSDPStrategy",
+    "ElasticFTStrategy",
+    "ElasticSampler",
+    "ElasticStrategy",
+]

@@ -9,7 +9,7 @@ that moved, before a training run finds out.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ __all__ = [
     "is_distributed",
     "limit_train_batches",
     "logger_connector_state",
+    "loop_progress",
     "metric_reductions",
     "metric_update_count",
     "missing",
@@ -33,10 +34,14 @@ __all__ = [
     "pending_loader_states",
     "prefetched_batches",
     "reinstantiate_dataloader",
+    "restore_results",
     "result_entry",
+    "set_closure_batch",
     "set_loaded_checkpoint",
     "set_logger_connector_state",
+    "set_loop_progress",
     "set_metric_update_count",
+    "snapshot_results",
     "track_scheduler_steps",
     "train_combined_loader",
     "train_loader_mode",
@@ -91,6 +96,15 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher"),
     # torchmetrics keeps the update count and the reduction of each state privately
     ("torchmetrics", "Metric.metric_state"),
+    # replica groups (lightning/replicas.py): the automatic-optimization closure's step
+    # function keeps the batch in its kwargs (a redone step trains other samples); the loop's
+    # progress counters (a healing group takes the others'); the training loop's logged
+    # results (a redone step's logging is rolled back first)
+    # (instance attributes, checked on a live trainer by the tests: Closure._step_fn,
+    # epoch_loop.batch_progress / _batches_that_stepped / _results, fit_loop.epoch_progress)
+    ("lightning.pytorch.loops.optimization.automatic", "Closure"),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
+    ("lightning.pytorch.loops.fit_loop", "_FitLoop"),
     # what self.log keeps: the logger connector's last values (_callback_metrics,
     # _logged_metrics, _progress_bar_metrics, _first_loop_iter, _current_fx: instance
     # attributes, checked by tests/unit/test_compat.py on a live trainer) and the training
@@ -223,9 +237,13 @@ def set_loaded_checkpoint(trainer: Any, checkpoint: dict[str, Any], location: st
     connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, location)
 
 
-def reinstantiate_dataloader(dataloader: Any, sampler: Any, **overrides: Any) -> Any:
+def reinstantiate_dataloader(
+    dataloader: Any, sampler: Any, *, if_given: Mapping[str, Any] | None = None, **overrides: Any
+) -> Any:
     """The same DataLoader class and arguments with ``sampler`` (and ``overrides``, e.g. a
-    new ``batch_size``); raises ``KeyError`` naming an override the class does not take."""
+    new ``batch_size``); raises ``KeyError`` naming an override the class does not take.
+    ``if_given`` are overrides of arguments the DataLoader was built with, left out
+    otherwise."""
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -235,6 +253,9 @@ def reinstantiate_dataloader(dataloader: Any, sampler: Any, **overrides: Any) ->
         if key not in kwargs:
             raise KeyError(key)
         kwargs[key] = value
+    for key, value in (if_given or {}).items():
+        if key in kwargs:
+            kwargs[key] = value
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
@@ -320,6 +341,78 @@ def set_metric_update_count(metric: Any, count: int) -> None:
 def metric_reductions(metric: Any) -> dict[str, Any]:
     """State name -> reduction function of a torchmetrics ``Metric`` (``_reductions``)."""
     return dict(metric._reductions)
+
+
+def set_closure_batch(closure: Any, batch: Any) -> None:
+    """Make Lightning's automatic-optimization ``Closure`` train ``batch`` when called again
+    (its step function is ``partial(_training_step, kwargs)``; ``kwargs["batch"]``)."""
+    step_fn = getattr(closure, "_step_fn", None)
+    kwargs = getattr(step_fn, "args", (None,))[0] if step_fn is not None else None
+    if not isinstance(kwargs, dict) or "batch" not in kwargs:
+        raise TypeError(f"not Lightning's automatic-optimization closure: {closure!r}")
+    kwargs["batch"] = batch
+
+
+_PROGRESS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("epoch_progress", lambda t: t.fit_loop.epoch_progress),
+    ("batch_progress", lambda t: t.fit_loop.epoch_loop.batch_progress),
+    ("scheduler_progress", lambda t: t.fit_loop.epoch_loop.scheduler_progress),
+    ("optimizer_progress", lambda t: t.fit_loop.epoch_loop.automatic_optimization.optim_progress),
+    ("val_batch_progress", lambda t: t.fit_loop.epoch_loop.val_loop.batch_progress),
+)
+
+
+def loop_progress(trainer: Any) -> dict[str, Any]:
+    """The fit loop's progress counters (epochs, batches, optimizer steps, scheduler steps,
+    validation batches; what ``global_step`` and ``current_epoch`` are read from), as plain
+    dicts, plus the logging step (``_batches_that_stepped``)."""
+    state: dict[str, Any] = {name: get(trainer).state_dict() for name, get in _PROGRESS}
+    state["batches_that_stepped"] = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    return state
+
+
+def set_loop_progress(trainer: Any, state: dict[str, Any]) -> None:
+    """Put back :func:`loop_progress` (counters only: the loops keep running)."""
+    for name, get in _PROGRESS:
+        if name in state:
+            get(trainer).load_state_dict(state[name])
+    trainer.fit_loop.epoch_loop._batches_that_stepped = int(state["batches_that_stepped"])
+
+
+def snapshot_results(results: Any) -> dict[str, Any]:
+    """What ``self.log`` has accumulated so far, for :func:`restore_results` (tensor values:
+    states cloned; logged ``Metric`` objects are the module's own, snapshotted with it)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    saved: dict[str, Any] = {}
+    for key, item in results.items():
+        if isinstance(item, _ResultMetric) and item.is_tensor:
+            states: dict[str, Any] = dict(item.metric_state)
+            saved[key] = (
+                {k: v.clone() for k, v in states.items()},
+                item._forward_cache,
+                item._update_count,
+            )
+        else:
+            saved[key] = None
+    return saved
+
+
+def restore_results(results: Any, saved: dict[str, Any]) -> None:
+    """Roll the logged results back to :func:`snapshot_results`' (keys logged since are
+    dropped)."""
+    for key in [k for k in results if k not in saved]:
+        del results[key]
+    for key, entry in saved.items():
+        if entry is None or key not in results:
+            continue
+        states, cache, count = entry
+        item = results[key]
+        for name, value in states.items():
+            setattr(item, name, value.clone())
+        item._forward_cache = cache
+        item._update_count = count
+        item._computed = None
 
 
 # self.log's reductions by name (what _Metadata._parse_reduce_fx accepts, as it stores them)

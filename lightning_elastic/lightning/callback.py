@@ -54,7 +54,7 @@ from lightning_elastic.core.options import (
 )
 from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
-from lightning_elastic.errors import CheckpointSaveError, ConfigError
+from lightning_elastic.errors import CheckpointSaveError, ConfigError, StaleWriterError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
 from lightning_elastic.lightning.fork_safety import warn_forking_workers
 from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
@@ -238,6 +238,9 @@ class DistributedCheckpoint(Checkpoint):
             None if timeout is None else timedelta(seconds=check_seconds(timeout, "timeout"))
         )
         self.exit_on_signal = check_bool(exit_on_signal, "exit_on_signal")
+        self._leading = False  # elastic_ft: this group wrote the job's last checkpoint
+        self._led_since: int | None = None
+        self._replica_seen = 0  # quorum events of the strategy already reported
         self.compression = check_choice(compression, "compression", (None, "zstd"))
         self.trusted = check_bool(trusted, "trusted")
 
@@ -323,6 +326,10 @@ class DistributedCheckpoint(Checkpoint):
         if stage == "fit":
             self._engine.check_writable()  # a bad dirpath fails here, not at the first save
         self._schedule.bind(session.ensure_coordinator())
+        if _replica_role(trainer) is not _NOT_REPLICAS:
+            # elastic_ft: a signal drains one replica group (the strategy's, agreed with the
+            # other groups at the step); the job's checkpoints are the leader group's
+            self._schedule.signals = ()
         self._setup_unix = time.time()
         if stage == "fit":
             self._monitor = HealthMonitor(
@@ -440,6 +447,9 @@ class DistributedCheckpoint(Checkpoint):
         # schedulers, epoch end) is done, and nothing of this batch has run but the callbacks'
         # on_train_batch_start before ours (Lightning runs Checkpoint callbacks last)
         monitor = self._monitor
+        role = _replica_role(trainer)
+        if role is not _NOT_REPLICAS and role is not None and role.leaving:
+            self._leave(trainer, role)  # exits (a drained replica group)
         if monitor is None:
             self._take_deferred(trainer, between_batches=True)
         else:
@@ -468,6 +478,12 @@ class DistributedCheckpoint(Checkpoint):
             self._schedule.decide(step, busy=busy)
             return
         monitor.step_end(step=step, writing=busy)
+        replicas = getattr(trainer.strategy, "replicas", None)
+        if replicas is not None and _replica_role(trainer) is not _NOT_REPLICAS:
+            events, self._replica_seen = replicas.events[self._replica_seen :], len(replicas.events)
+            role = _replica_role(trainer)
+            participants = 1 if role is None else role.participants
+            monitor.replica_events(events, participants, replicas.name)
         decision = self._schedule.decide(step, busy=busy, shared=monitor.shared(step))
         monitor.after_agreement(step, decision.shared, trainer.loggers)
         if self._first_step:
@@ -537,6 +553,9 @@ class DistributedCheckpoint(Checkpoint):
         checkpoint: dict[str, Any] | None = None,
     ) -> None:
         assert self._session is not None and self._engine is not None
+        if not self._writes_for_the_job(trainer):
+            self._schedule.saved(trainer.global_step)  # the leader group saved this step
+            return
         metrics = {}
         if self.monitor is not None and self.monitor in trainer.callback_metrics:
             metrics[self.monitor] = float(trainer.callback_metrics[self.monitor])
@@ -603,8 +622,16 @@ class DistributedCheckpoint(Checkpoint):
 
     def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
         monitor = self._monitor
-        with self._counting_failures(handle.step):
-            result: SaveResult = handle.result()
+        try:
+            with self._counting_failures(handle.step):
+                result: SaveResult = handle.result()
+        except StaleWriterError as exc:
+            if self._leading or _replica_role(trainer) is _NOT_REPLICAS:
+                raise
+            # elastic_ft: this group was the leader when it started the save; another group
+            # leads now (this one was stopped, evicted and healed) and its commit won
+            log.warning("checkpoint of step %d not committed: %s", handle.step, exc)
+            return
         if monitor is not None:
             chosen = monitor.committed(result, reason=self._reason)
             if chosen is not None and self._schedule.interval is not None:
@@ -646,6 +673,35 @@ class DistributedCheckpoint(Checkpoint):
             record_planned_exit(128 + signum, trainer.global_step)
             raise SystemExit(128 + signum)
 
+    def _writes_for_the_job(self, trainer: pl.Trainer) -> bool:
+        """Under ``elastic_ft`` only the leader group (participant 0 of the step) writes the
+        job's checkpoints, once for all groups; a group that becomes the leader takes the run's
+        lease first (collective within the group: every process sees the same role)."""
+        role = _replica_role(trainer)
+        if role is _NOT_REPLICAS:
+            return True
+        leader = role is None or role.leader
+        since = None if role is None else role.leader_since
+        if leader and (not self._leading or since != self._led_since):
+            self.engine.take_over(renew=True)
+        self._leading, self._led_since = leader, since
+        return leader
+
+    def _leave(self, trainer: pl.Trainer, role: Any) -> None:
+        """A drained replica group leaves at this boundary; when every group is drained, the
+        leader writes a last checkpoint first."""
+        self._schedule.deferred = None
+        if role.everyone_leaving and role.leader:
+            self._preempt(trainer, role.signum)  # synchronous checkpoint, then exit
+        self._finish_pending(trainer, wait=True)
+        self._schedule.stop()
+        if self._monitor is not None:
+            self._monitor.train_end(trainer.global_step, reason="replica_group_left")
+        if self.exit_on_signal:
+            record_planned_exit(128 + role.signum, trainer.global_step)
+            raise SystemExit(128 + role.signum)
+        trainer.should_stop = True
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -659,3 +715,14 @@ class DistributedCheckpoint(Checkpoint):
         self.best_model_path = state_dict.get("best_model_path", "")
         self.best_model_score = state_dict.get("best_model_score")
         self.last_model_path = state_dict.get("last_model_path", "")
+
+
+_NOT_REPLICAS: Any = object()
+
+
+def _replica_role(trainer: pl.Trainer) -> Any:
+    """The strategy's :class:`~lightning_elastic.lightning.replicas.ReplicaRole` under
+    ``elastic_ft`` (``None`` before the first committed step), else ``_NOT_REPLICAS``."""
+    if not hasattr(trainer.strategy, "replica_checkpoint_state"):
+        return _NOT_REPLICAS
+    return getattr(trainer.strategy, "role", None)

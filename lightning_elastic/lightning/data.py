@@ -390,7 +390,7 @@ def _rebuild(
     """Re-instantiate ``dataloader`` (its own class and arguments) with ``sampler`` (``None``:
     none, for an iterable dataset) and, when given, a new per-rank ``batch_size`` (Lightning's
     sampler-injection machinery)."""
-    overrides = {} if batch_size is None else {"batch_size": batch_size}
+    overrides: dict[str, Any] = {} if batch_size is None else {"batch_size": batch_size}
     try:
         return reinstantiate_dataloader(dataloader, sampler, **overrides)
     except KeyError:

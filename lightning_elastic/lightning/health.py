@@ -204,6 +204,35 @@ class HealthMonitor:
         self._data_s = self._save_s = self._backward_s = 0.0
         self.health.at_step(step)
 
+    def replica_events(self, events: Sequence[Any], participants: int, group: str) -> None:
+        """Replica groups (``elastic_ft``): the groups taking part now, and this group's quorum
+        events since the last call (:class:`~lightning_elastic.core.replicas.group.
+        ReplicaEvent`), into the metrics and (rank 0 of each group) the run history."""
+        self.health.set(f"{_P}replica_groups", participants)
+        for event in events:
+            self.health.inc(f"{_P}replica_events_total", kind=event.kind)
+            self.health.set(f"{_P}replica_stall_seconds", event.stall_s, kind=event.kind)
+            if event.kind == "join":
+                self.health.set(f"{_P}replica_heal_seconds", event.stall_s, part="quorum")
+                for part in ("transfer", "configure"):
+                    value = event.detail.get(f"{part}_s")
+                    if value is not None:
+                        self.health.set(f"{_P}replica_heal_seconds", value, part=part)
+                size = event.detail.get("transfer_bytes")
+                if size is not None:
+                    self.health.set(f"{_P}replica_heal_bytes", size)
+            if self.rank == 0:
+                self._record(
+                    "replica",
+                    event=event.kind,
+                    group=group,
+                    step=event.step,
+                    quorum_id=event.quorum_id,
+                    participants=event.participants,
+                    stall_s=round(event.stall_s, 6),
+                    **{k: round(v, 6) for k, v in event.detail.items()},
+                )
+
     def step_done(self) -> None:
         """After the agreement: the next step's data wait starts now."""
         self._last_end = self.clock()

@@ -197,6 +197,9 @@ class ElasticSession:
             "world_size": world,
             "position": None if position is None else dataclasses.asdict(position),
         }
+        replicas = getattr(trainer.strategy, "replica_checkpoint_state", None)
+        if callable(replicas) and (replica_state := replicas()) is not None:
+            state[ELASTIC_KEY]["replicas"] = replica_state  # elastic_ft: the shared data queue
         metadata: dict[str, Any] = {
             "reason": reason,
             "global_step": trainer.global_step,
@@ -319,8 +322,11 @@ class ElasticSession:
         fitting = self.trainer.state.fn == "fit"
         if auto:
             self._check_same_experiment(result)
-        if fitting and engine is self.writer:
+        replica_groups = hasattr(self.trainer.strategy, "replica_checkpoint_state")
+        if fitting and engine is self.writer and not replica_groups:
             # this job continues the run: from now on an older copy of it may not commit
+            # (elastic_ft: other groups may be training; the leader group takes the lease
+            # when it first saves)
             engine.take_over()
         if "optimizer_states" in checkpoint and not is_our_strategy(self.trainer.strategy):
             # a strategy of Lightning's own: name-keyed (ZeRO-1, FSDP) optimizer states made
@@ -334,6 +340,9 @@ class ElasticSession:
         world = self.ensure_coordinator().world_size
         position = elastic.get("position")
         self.pending_position = DataPosition(**position) if position else None
+        restore_replicas = getattr(self.trainer.strategy, "restore_replica_checkpoint_state", None)
+        if callable(restore_replicas) and fitting:
+            restore_replicas(elastic.get("replicas"))
         self.pending_rank_state = result.rank_state or {}
         self.resumed = result
         if saved_world != world and fitting:

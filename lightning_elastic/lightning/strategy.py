@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
@@ -120,6 +121,25 @@ class ElasticCheckpointing:
         self._num_nodes = num_nodes
 
     # ------------------------------------------------------------------ setup and data
+
+    def setup_distributed(self) -> None:
+        """Lightning's process group set-up, with the group's store keys under a prefix of this
+        worker group's attempt when torchrun's agent hosts the store: the agent keeps its store
+        across restarts, and a restarted rank read the address a dead rank of the previous
+        attempt had left there (gloo: ``connectFullMesh failed ... Connection refused``, seen
+        when rank 0 of the new attempt started a few seconds after rank 1)."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+            self.set_world_ranks()  # type: ignore[attr-defined]
+            device = self.root_device  # type: ignore[attr-defined]
+            dist.init_process_group(
+                self._get_process_group_backend(),  # type: ignore[attr-defined]
+                rank=self.global_rank,  # type: ignore[attr-defined]
+                world_size=self.world_size,  # type: ignore[attr-defined]
+                timeout=getattr(self, "_timeout", None) or default_pg_timeout,
+                store=attempt_store(),
+                device_id=device if device.type != "cpu" else None,
+            )
+        super().setup_distributed()  # type: ignore[misc]
 
     def setup(self, trainer: Any) -> None:
         """Set the strategy up, with our session knowing the global batch size."""
@@ -333,6 +353,24 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
     def _param_names(self) -> dict[torch.Tensor, str]:
         assert self.lightning_module is not None
         return {param: name for name, param in self.lightning_module.named_parameters()}
+
+
+def attempt_store() -> Any:
+    """A client of torchrun's agent store whose keys live under this attempt's prefix
+    (``TORCHELASTIC_RESTART_COUNT``, and the launcher's worker generation when
+    ``lightning-elastic run`` started the workers)."""
+    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    generation = os.environ.get("LIGHTNING_ELASTIC_WORKER_GENERATION", "0")
+    client = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        is_master=False,
+        timeout=default_pg_timeout,
+    )
+    return PrefixStore(f"lightning_elastic/attempt_{attempt}.{generation}/", client)
 
 
 def _torchrun(name: str) -> int | None:

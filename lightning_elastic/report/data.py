@@ -78,6 +78,7 @@ def build_report(
         "save_failures": _of_kind(events, "save_failed"),
         "stragglers": _of_kind(events, "straggler"),
         "cadence": _of_kind(events, "cadence"),
+        "replicas": _of_kind(events, "replica"),
         "storage": _storage(events, valid),
     }
     body["totals"] = _totals(body, valid, committed, events)

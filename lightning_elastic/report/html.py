@@ -54,6 +54,8 @@ def render_html(report: dict[str, Any]) -> str:
         _table(report["stragglers"], _STRAGGLER_COLUMNS, "none recorded"),
         "<h2>Cadence decisions</h2>",
         _table(report["cadence"], _CADENCE_COLUMNS, "none recorded"),
+        "<h2>Replica groups</h2>",
+        _table(report.get("replicas", []), _REPLICA_COLUMNS, "none recorded"),
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"
@@ -179,6 +181,17 @@ _STRAGGLER_COLUMNS: list[Column] = [
     ("local", _secs("local_s"), True),
     ("median", _secs("median_s"), True),
     ("where", _get("where"), False),
+]
+_REPLICA_COLUMNS: list[Column] = [
+    ("at (UTC)", _get("at"), False),
+    ("group", _get("group"), False),
+    ("event", _get("event"), False),
+    ("step", _get("step"), True),
+    ("groups", _get("participants"), True),
+    ("stall", _secs("stall_s"), True),
+    ("transfer", _secs("transfer_s"), True),
+    ("bytes", _get("transfer_bytes"), True),
+    ("group rebuild", _secs("configure_s"), True),
 ]
 _CADENCE_COLUMNS: list[Column] = [
     ("at (UTC)", _get("at"), False),

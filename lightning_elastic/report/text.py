@@ -121,6 +121,19 @@ def _events(report: dict[str, Any]) -> list[str]:
             ranks[key] = ranks.get(key, 0) + 1
         worst = ", ".join(f"{k} ({n}x)" for k, n in sorted(ranks.items(), key=lambda kv: -kv[1]))
         out.append(f"stragglers: {len(stragglers)} report(s): {show(worst, 200)}")
+    replicas = report.get("replicas") or []
+    if replicas:
+        kinds: dict[str, int] = {}
+        for r in replicas:
+            kinds[str(r.get("event"))] = kinds.get(str(r.get("event")), 0) + 1
+        stalls = [
+            float(r["stall_s"]) for r in replicas if isinstance(r.get("stall_s"), (int, float))
+        ]
+        out.append(
+            f"replica groups: {len(replicas)} event(s) ("
+            + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+            + f"), longest stall {duration(max(stalls) if stalls else None)}"
+        )
     cadence = report["cadence"]
     if cadence:
         c = cadence[-1]

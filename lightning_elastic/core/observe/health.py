@@ -69,6 +69,33 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         (),
     ),
     f"{_P}world_size": ("gauge", "Processes in the job now.", ()),
+    f"{_P}replica_groups": (
+        "gauge",
+        "Replica groups taking part in the last committed step (strategy='elastic_ft').",
+        (),
+    ),
+    f"{_P}replica_events_total": (
+        "counter",
+        "Quorum events seen by this group, by kind (join: this group received the live state; "
+        "change: the participating groups changed; failed: a step attempt failed and was redone).",
+        ("kind",),
+    ),
+    f"{_P}replica_stall_seconds": (
+        "gauge",
+        "Seconds the last quorum event of each kind cost this group's step.",
+        ("kind",),
+    ),
+    f"{_P}replica_heal_seconds": (
+        "gauge",
+        "Seconds this group's last heal took, by part (quorum: the whole quorum call; transfer: "
+        "fetching and loading the live state; configure: rebuilding the cross-group group).",
+        ("part",),
+    ),
+    f"{_P}replica_heal_bytes": (
+        "gauge",
+        "Bytes of live state this group's last heal received.",
+        (),
+    ),
     f"{_P}world_size_changes_total": (
         "counter",
         "Resumes of this run at another world size than its checkpoint's.",

@@ -62,7 +62,17 @@ log = fork_safe_logger(__name__)  # commits are recorded from the writer thread
 HISTORY_DIR = "_history"
 HISTORY_VERSION = 1
 # The kinds this release writes; a reader accepts any well-formed kind (a newer writer's).
-KINDS = ("start", "resume", "commit", "save_failed", "straggler", "cadence", "end", "progress")
+KINDS = (
+    "start",
+    "resume",
+    "commit",
+    "save_failed",
+    "straggler",
+    "cadence",
+    "replica",
+    "end",
+    "progress",
+)
 # An event is a few hundred bytes (a start with 1,024 host names: ~20 KiB).
 MAX_OBJECT_BYTES = 64 * 1024
 # Recording retries briefly: a storage outage must not hold the training step for the

@@ -94,8 +94,9 @@ class Placement(Candidates, Protocol):
         """Every rank, the writer thread: write, commit, and what the placement adds."""
         ...
 
-    def take_over(self) -> None:
-        """Rank 0: take this job's lease on the run wherever it commits."""
+    def take_over(self, *, renew: bool = False) -> None:
+        """Rank 0: take this job's lease on the run wherever it commits (``renew``: a new
+        generation even if this job holds one)."""
         ...
 
     def newest(self, filters: Filters, verify: str) -> CheckpointInfo | None:
@@ -132,9 +133,10 @@ def save_target(
     return SaveTarget(storage, catalog, coordinator, channel, arena, config)
 
 
-def lease_target(target: SaveTarget, run: RunState) -> None:
-    """Rank 0: take ``run``'s lease in the target's root unless this job holds it already."""
-    if run.lease is None or run.lease.run_id != run.run_id:
+def lease_target(target: SaveTarget, run: RunState, *, renew: bool = False) -> None:
+    """Rank 0: take ``run``'s lease in the target's root unless this job holds it already (or
+    anew with ``renew``)."""
+    if renew or run.lease is None or run.lease.run_id != run.run_id:
         run.lease = take_lease(target.storage, run.run_id)
 
 

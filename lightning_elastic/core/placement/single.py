@@ -58,9 +58,9 @@ class SingleRoot:
         """Write, commit, then (rank 0) housekeeping and retention in the root."""
         return finish_save(self.target, self._run, planned, payload, blocked_s, staging_s)
 
-    def take_over(self) -> None:
+    def take_over(self, *, renew: bool = False) -> None:
         """Rank 0: the run's lease in the root."""
-        lease_target(self.target, self._run)
+        lease_target(self.target, self._run, renew=renew)
 
     def persist_latest(self) -> bool:
         """Nothing to do: every committed save is persisted."""

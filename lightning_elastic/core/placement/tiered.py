@@ -91,10 +91,11 @@ class Tiered:
         """Local commit, replicas, then the persist handed to the persister thread."""
         return self.tiers.finish(planned, payload, blocked_s, staging_s, persist)
 
-    def take_over(self) -> None:
+    def take_over(self, *, renew: bool = False) -> None:
         """Rank 0: the run's lease in the node-local root and in the persistent one."""
-        lease_target(self.target, self._run)
-        if (persistent := self.tiers.persistent).lease is None:
+        lease_target(self.target, self._run, renew=renew)
+        if renew or (persistent := self.tiers.persistent).lease is None:
+            persistent = self.tiers.persistent
             persistent.lease = take_lease(persistent.storage, self._run.run_id)
 
     def persist_latest(self) -> bool:

@@ -158,6 +158,14 @@ class RunState:
                 self._run_id = adopt
             return changed
 
+    def adopt(self, run_id: str) -> bool:
+        """Continue ``run_id`` from now on (a job joining a run another job writes); whether
+        the run changed."""
+        with self._lock:
+            changed = run_id != self._run_id
+            self._run_id = run_id
+            return changed
+
     def committed(self, name: str) -> None:
         """A save of ``name`` committed: the next one continues it."""
         with self._lock:

@@ -1,0 +1,70 @@
+"""`lightning-elastic lighthouse` and the in-process Lighthouse: torchft's own server, started
+with the options that matter, refused with a clear error on bad ones, stopped cleanly."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from lightning_elastic.cli import main
+from lightning_elastic.errors import ConfigError
+
+pytest.importorskip("torchft", reason="replica groups need torchft (the ft extra)")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--bind", "nope"],
+        ["--bind", "host:99999"],
+        ["--heartbeat-timeout", "0"],
+        ["--heartbeat-timeout", "nan"],
+        ["--join-timeout", "-1"],
+        ["--quorum-tick", "1e400"],
+        ["--min-replica-groups", "0"],
+    ],
+)
+def test_bad_options_are_refused_with_exit_code_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["lighthouse", *argv]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_the_in_process_lighthouse_serves_its_status_page_until_closed() -> None:
+    from lightning_elastic.lighthouse import Lighthouse
+
+    with Lighthouse() as lighthouse:
+        assert lighthouse.address.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(lighthouse.address, timeout=10) as page:
+            assert page.status == 200
+    with pytest.raises(OSError):
+        urllib.request.urlopen(lighthouse.address, timeout=2)
+    with pytest.raises(ConfigError, match="min_replica_groups"):
+        Lighthouse(min_replica_groups=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_the_verb_serves_in_the_foreground_and_stops_cleanly_on_a_signal(signum: int) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_elastic.cli", "lighthouse", "--bind", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    deadline = time.monotonic() + 90
+    line = ""
+    while "serving on" not in line and time.monotonic() < deadline:
+        line = process.stdout.readline()
+    assert "serving on" in line, line
+    process.send_signal(signum)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, out
+    assert "lighthouse: stopped" in out

@@ -1,0 +1,150 @@
+"""Replica groups that leave and join while the others train (strategy="elastic_ft", torchft),
+with real processes: a Lighthouse, groups of one process (python) and of two (torchrun).
+
+One chain per group size runs several membership events in one job and checks, from the
+groups' journals: the survivors' processes never changed, every group holds bitwise equal
+parameters after every committed step, every sample is in exactly one committed step per
+epoch, a drained group exits 143 without throwing a step away, the durable checkpoints verify,
+and a restart of the whole job resumes from them.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.replicas.harness import (
+    Group,
+    Lighthouse,
+    by_step,
+    check_exactly_once,
+    check_in_step,
+    journals,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+SAMPLES = 64
+
+
+def _verify(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_elastic.cli", "verify", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_one_process_groups_lose_join_drain_stop_and_restart_without_stopping_the_others(
+    tmp_path: Path,
+) -> None:
+    """Loss (SIGKILL inside a step), restart-join, a new group, a planned drain, a SIGSTOP'd
+    group that wakes up evicted, then every group drained and the job restarted from its
+    checkpoint: the survivors never restart and no sample is trained twice in an epoch."""
+    lighthouse = Lighthouse()
+    ckpt = tmp_path / "ckpt"
+    common = {"SAMPLES": SAMPLES, "EPOCHS": 40, "STEP_SLEEP": 0.08, "CKPT": ckpt}
+    groups: list[Group] = []
+    try:
+        a = Group(tmp_path, lighthouse, "a", **common)
+        b = Group(tmp_path, lighthouse, "b", DIE_AT_STEP=10, **common)
+        groups += [a, b]
+        wait_until(lambda: b.steps() >= 2 and a.steps() >= 2, 180, "a and b in step", a, b)
+        assert b.wait(60) == -signal.SIGKILL  # died inside step 10, before its commit
+        # a keeps going alone; b restarts and heals from a
+        b2 = Group(tmp_path, lighthouse, "b", **common)
+        c = Group(tmp_path, lighthouse, "c", **common)
+        groups += [b2, c]
+        wait_until(lambda: b2.steps() > 0 and c.steps() > 0, 180, "b and c joined", a, b2, c)
+        # planned drain of b: leaves at a step boundary, throws nothing away
+        failed_before = _failed(a)
+        wait_until(lambda: c.steps() >= c.records()[0]["step"] + 3, 120, "c trains", a, c)
+        b2.signal(signal.SIGTERM)
+        assert b2.wait(60) == 143, b2.tail()
+        # c is stopped past the heartbeat timeout, evicted, and heals when it wakes
+        wait_until(lambda: a.steps() >= max(r["step"] for r in b2.records()) + 3, 60, "a", a)
+        c.signal(signal.SIGSTOP)
+        stopped_at = a.steps()
+        wait_until(lambda: a.steps() >= stopped_at + 5, 60, "a goes on without c", a)
+        c.signal(signal.SIGCONT)
+        wait_until(lambda: c.steps() > a.steps() - 2 and c.steps() > stopped_at + 6, 60, "c", a, c)
+        # the whole job is drained: the leader writes a last checkpoint, everyone exits 143
+        for group in (a, c):
+            group.signal(signal.SIGTERM)
+        assert a.wait(60) == 143 and c.wait(60) == 143, a.tail() + c.tail()
+    finally:
+        for group in groups:
+            if group.process.poll() is None:
+                group.kill()
+        lighthouse.close()
+
+    records = journals(tmp_path)
+    assert len({r["pid"] for r in records if r["group"] == "a"}) == 1  # a never restarted
+    last = max(r["step"] for r in records)
+    check_in_step(records)
+    assert _failed(a) - failed_before <= 1, "a drain threw a step away"  # at most c's stop
+    verify = _verify(ckpt)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    # the whole job restarts (two groups) from the last checkpoint and finishes its epochs
+    lighthouse = Lighthouse()
+    try:
+        restarted = [
+            Group(tmp_path, lighthouse, name, **{**common, "EPOCHS": _epoch(records, last) + 2})
+            for name in ("d", "e")
+        ]
+        for group in restarted:
+            assert group.wait(240) == 0, group.tail()
+    finally:
+        lighthouse.close()
+    after = [r for g in restarted for r in g.records()]
+    resumed = min(r["step"] for r in after) - 1
+    assert resumed == last, f"resumed at {resumed}, the drained job's last step was {last}"
+    everything = [r for r in records if r["step"] <= resumed] + after
+    check_in_step(everything)
+    check_exactly_once(everything, SAMPLES, range(_epoch(everything, resumed) + 2))
+    assert max(by_step(after)) > resumed
+
+
+def test_two_process_groups_lose_a_process_and_rejoin_through_torchrun(tmp_path: Path) -> None:
+    """Groups of two processes (torchrun): a worker of one group dies inside a step, torchrun
+    restarts that group, which heals from the other; the other never restarts; then a planned
+    drain of the restarted group (SIGTERM to its torchrun agent)."""
+    lighthouse = Lighthouse()
+    common = {"SAMPLES": SAMPLES, "EPOCHS": 30, "STEP_SLEEP": 0.08, "BATCH": 2}
+    try:
+        a = Group(tmp_path, lighthouse, "a", nproc=2, **common)
+        b = Group(tmp_path, lighthouse, "b", nproc=2, DIE_AT_STEP=8, **common)
+        wait_until(lambda: b.steps() >= 2 and a.steps() >= 2, 240, "a and b in step", a, b)
+        a_pids = set(a.pids())
+        wait_until(lambda: len(b.pids()) > 2 and b.steps() > 8, 240, "b restarted", a, b)
+        wait_until(lambda: b.steps() > 12, 120, "b trains again", a, b)
+        b.signal(signal.SIGTERM)
+        assert b.wait(60) != 0
+        wait_until(lambda: a.steps() > b.steps() + 3, 60, "a goes on", a)
+        a.signal(signal.SIGTERM)
+        a.wait(60)
+    finally:
+        for group in (locals().get("a"), locals().get("b")):
+            if group is not None and group.process.poll() is None:
+                group.kill()
+        lighthouse.close()
+    records = a.records() + b.records()
+    assert set(a.pids()) == a_pids and len(a_pids) == 2
+    check_in_step(records)
+    done = _epoch(records, max(r["step"] for r in records))
+    check_exactly_once(records, SAMPLES, range(done))
+
+
+def _failed(group: Group) -> int:
+    return max((r["failed"] for r in group.records()), default=0)
+
+
+def _epoch(records: list[dict[str, object]], step: int) -> int:
+    return max(int(r["epoch"]) for r in records if r["step"] == step)  # type: ignore[call-overload]
