@@ -33,7 +33,14 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     journal = Journal(
         Path(args.root) / "journal",
-        extra={"t_start": T_START, "t_imported": T_IMPORTED, "restart": restart, "warm": WARM},
+        extra={
+            "t_start": T_START,
+            "t_imported": T_IMPORTED,
+            "restart": restart,
+            "warm": WARM,
+            # a session (and process group) of its own, as torchrun starts its workers
+            "session": os.getsid(0) == os.getpgid(0) == os.getpid(),
+        },
     )
     pl.seed_everything(7, verbose=False)
     trainer = pl.Trainer(
