@@ -122,6 +122,11 @@ def run_script(script: str, *args: str) -> None:
     ends the interpreter: the traceback, the exit handlers, then death by SIGINT (torch's
     worker wrapper would take it for a success and leave the agent waiting for ever)."""
     sys.argv = [script, *args]
+    # multiprocessing made "forkserver" this process's start method (it starts every child
+    # with its parent's); the script gets the interpreter's default, as under torchrun (a
+    # DataLoader's workers would otherwise start through a server of their own, importing the
+    # script again: without a __main__ guard it fails)
+    multiprocessing.set_start_method(None, force=True)
     folder = os.path.dirname(os.path.realpath(script))
     if sys.path and sys.path[0] != folder:
         sys.path.insert(0, folder)

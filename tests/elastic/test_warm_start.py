@@ -16,7 +16,7 @@ from lightning_elastic.launcher import main as launch
 pytestmark = pytest.mark.timeout(180)
 
 PROBE = """
-import atexit, json, os, signal, sys
+import atexit, json, multiprocessing, os, signal, sys
 warm = "torch" in sys.modules and "lightning.pytorch" in sys.modules
 handlers = {s: signal.getsignal(getattr(signal, s)) for s in ("SIGTERM", "SIGINT", "SIGHUP")}
 import torch
@@ -28,6 +28,7 @@ record = {
     "omp": os.environ.get("OMP_NUM_THREADS"), "stdin": os.path.realpath("/proc/self/fd/0"),
     "session": os.getsid(0) == os.getpgid(0) == os.getpid(),
     "handlers": [h is signal.SIG_DFL or h is signal.default_int_handler for h in handlers.values()],
+    "start_method": multiprocessing.get_start_method(allow_none=True),
 }
 out = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"rank{record['rank']}")
 atexit.register(lambda: open(out + ".atexit", "w").close())
@@ -76,6 +77,9 @@ def test_the_script_runs_as_python_would_run_it(tmp_path) -> None:
         # a session of its own, as torchrun starts its workers, and the signal handlers of a
         # fresh interpreter (the server it was forked from ignores the agent's signals)
         assert record["session"] and record["handlers"] == [True] * 3
+        # multiprocessing's default, not the forkserver the worker was started by (a
+        # DataLoader's workers would start through a server of their own)
+        assert record["start_method"] is None
         assert (tmp_path / f"rank{rank}.atexit").exists(), "exit handlers did not run"
 
 
