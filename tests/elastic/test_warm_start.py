@@ -19,6 +19,8 @@ PROBE = """
 import atexit, json, multiprocessing, os, signal, sys
 warm = "torch" in sys.modules and "lightning.pytorch" in sys.modules
 handlers = {s: signal.getsignal(getattr(signal, s)) for s in ("SIGTERM", "SIGINT", "SIGHUP")}
+with open(f"/proc/{os.getppid()}/status") as status:  # the server's ignored signals
+    server_ignored = int(next(l for l in status if l.startswith("SigIgn:")).split()[1], 16)
 import torch
 import sibling  # next to the script: its folder is first on sys.path
 
@@ -29,6 +31,7 @@ record = {
     "session": os.getsid(0) == os.getpgid(0) == os.getpid(),
     "handlers": [h is signal.SIG_DFL or h is signal.default_int_handler for h in handlers.values()],
     "start_method": multiprocessing.get_start_method(allow_none=True),
+    "server_ignores": [bool(server_ignored >> (s - 1) & 1) for s in (1, 2, 3, 15)],
 }
 out = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"rank{record['rank']}")
 atexit.register(lambda: open(out + ".atexit", "w").close())
@@ -77,6 +80,7 @@ def test_the_script_runs_as_python_would_run_it(tmp_path) -> None:
         # a session of its own, as torchrun starts its workers, and the signal handlers of a
         # fresh interpreter (the server it was forked from ignores the agent's signals)
         assert record["session"] and record["handlers"] == [True] * 3
+        assert record["server_ignores"] == [True] * 4  # SIGHUP, SIGINT, SIGQUIT, SIGTERM
         # multiprocessing's default, not the forkserver the worker was started by (a
         # DataLoader's workers would start through a server of their own)
         assert record["start_method"] is None
