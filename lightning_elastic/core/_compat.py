@@ -63,6 +63,8 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "torch.distributed.elastic.agent.server.local_elastic_agent",
         "LocalElasticAgent._monitor_workers",
     ),
+    # ... and, under a warm start, its _rendezvous (the agent joins once its server is ready)
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous"),
 )
 
 
