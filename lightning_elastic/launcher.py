@@ -56,10 +56,15 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lightning_elastic.core._compat import (
     elastic_agent_class,
+    rendezvous_round,
     torchrun_entry,
     torchrun_script_runner,
 )
-from lightning_elastic.core.elastic.planned_exit import PLANNED_EXIT_ENV, read_planned_exit
+from lightning_elastic.core.elastic.planned_exit import (
+    PLANNED_EXIT_ENV,
+    WORKER_GENERATION_ENV,
+    read_planned_exit,
+)
 
 __all__ = [
     "AGENT_ENV",
@@ -97,6 +102,17 @@ class PlannedExitAgent(LocalElasticAgent):
                 self._remaining_restarts - 1,
             )
         return result
+
+    def _start_workers(self, worker_group: Any) -> Any:
+        """Start the workers knowing the rendezvous round: our strategies keep their process
+        group's keys under it in the agent's store, which outlives the workers (a restarted
+        rank read a dead rank's address there: gloo's ``connectFullMesh ... Connection
+        refused``). A restart after a planned exit keeps ``TORCHELASTIC_RESTART_COUNT``; the
+        round always moves."""
+        round_ = rendezvous_round(worker_group.spec.rdzv_handler)
+        if round_ is not None:
+            os.environ[WORKER_GENERATION_ENV] = str(round_)
+        return super()._start_workers(worker_group)
 
     @staticmethod
     def _planned(result: Any) -> bool:
