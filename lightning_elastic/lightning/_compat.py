@@ -21,6 +21,8 @@ __all__ = [
     "checkpoint_after_batch",
     "dump_checkpoint",
     "finish_fit_loop_restart",
+    "first_batch_of_epoch",
+    "forgive_changed_log_arguments",
     "install_on_connector",
     "is_distributed",
     "limit_train_batches",
@@ -47,6 +49,7 @@ __all__ = [
     "train_loader_mode",
     "train_loader_states",
     "trainer_of",
+    "training_epoch_open",
     "training_results",
     "uninstall_from_connector",
     "unwrap_optimizer",
@@ -482,6 +485,23 @@ def training_results(trainer: Any) -> dict[str, Any]:
     return results
 
 
+def training_epoch_open(trainer: Any) -> bool:
+    """Whether a training epoch of a fit has started and its end has not yet been reached
+    (``fit_loop.epoch_progress.current``: started > processed): its ``self.log``
+    accumulators are live, also during a validation inside it; at ``on_train_epoch_end``
+    and after, Lightning computes, logs and resets them."""
+    if getattr(trainer.state, "fn", None) != "fit" or trainer.sanity_checking:
+        return False
+    current = trainer.fit_loop.epoch_progress.current
+    return bool(current.started > current.processed)
+
+
+def first_batch_of_epoch(trainer: Any) -> bool:
+    """Whether the training batch now starting is its epoch's first (what Lightning's logger
+    connector marks ``_first_loop_iter=True``): ``batch_progress.current.ready == 1``."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.current.ready == 1)
+
+
 def is_distributed(trainer: Any) -> bool:
     """Whether ``self.log(sync_dist=True)`` syncs under ``trainer``
     (``_accelerator_connector.is_distributed``: a DDP-like strategy, even on one device)."""
@@ -547,6 +567,46 @@ def new_result_metric(trainer: Any, entry: dict[str, Any], *, sync_dist: bool) -
     metric._computed = entry["computed"]
     metric.has_reset = bool(entry["has_reset"])
     return metric
+
+
+def forgive_changed_log_arguments(
+    trainer: Any, keys: set[str], replaced: Callable[[str], None]
+) -> None:
+    """Let the first ``self.log`` of each restored entry (``keys`` of :func:`training_results`)
+    change its arguments: Lightning raises ``MisconfigurationException`` when a ``self.log``
+    differs from the entry's (``_ResultCollection.log``: "twice ... with different
+    arguments"), which after an edit of the code between the save and the resume (a
+    ``prog_bar=True`` added) would fail every restart. Such an entry is dropped instead,
+    ``replaced(name)`` called, and the value logged afresh; a key's later calls, and every
+    other, are Lightning's own (the wrapper goes when no key is left to confirm)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    results: Any = training_results(trainer)
+    pending = set(keys)
+    original = type(results).log
+
+    def log(fx: str, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        key = f"{fx}.{name}"  # as _ResultCollection.log names its entries
+        if kwargs.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
+            key += f".{results.dataloader_idx}"
+        if key not in pending:
+            original(results, fx, name, value, *args, **kwargs)
+            return
+        try:
+            original(results, fx, name, value, *args, **kwargs)
+        except MisconfigurationException:
+            if key not in results:
+                raise
+            del results[key]  # Lightning raised before changing anything
+            replaced(name)
+            original(results, fx, name, value, *args, **kwargs)
+        pending.discard(key)
+        if not pending:
+            results.__dict__.pop("log", None)
+
+    results.__dict__.pop("log", None)
+    if pending:
+        results.log = log
 
 
 def finish_fit_loop_restart(trainer: Any) -> bool:

@@ -350,6 +350,8 @@ class DistributedCheckpoint(Checkpoint):
         install_dataloader_hook(trainer, session)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._session is not None:
+            self._session.on_train_start()  # the last logged values, for the hooks to come
         warn_forking_workers(  # CPython gh-112275 (Python < 3.11.10): see getting-started.md
             trainer.train_dataloader, async_save=self.async_save, rank=trainer.global_rank
         )

@@ -46,6 +46,7 @@ from lightning_elastic.lightning._compat import (
     dump_checkpoint,
     finish_fit_loop_restart,
     pending_loader_states,
+    training_epoch_open,
 )
 from lightning_elastic.lightning.loader_states import LoaderStates
 from lightning_elastic.lightning.metrics import (
@@ -188,7 +189,7 @@ class ElasticSession:
         trainer = self.trainer
         if checkpoint is None:
             checkpoint = dump_checkpoint(trainer)
-        if trainer.training:  # the loop may have fetched the next batch already
+        if _in_training(trainer):  # the loop may have fetched the next batch already
             checkpoint = self.loader_states.apply(checkpoint)
         position = self.data_position()
         world = self.ensure_coordinator().world_size
@@ -231,7 +232,7 @@ class ElasticSession:
         """Where the training epoch stands, from the loop's own batch counter."""
         sampler = self.sampler
         trainer = self.trainer
-        if sampler is None or not trainer.training:
+        if sampler is None or not _in_training(trainer):
             return None
         batches = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
         position = sampler.position(batches)
@@ -530,6 +531,16 @@ class ElasticSession:
             sampler.resume(self.pending_position)
             self.pending_position = None
 
+    def on_train_start(self) -> None:
+        """At the start of a resumed fit's training: put back the last logged values
+        (``trainer.callback_metrics``: Lightning reset them after the checkpoint was loaded),
+        so the hooks before the first resumed batch (``on_train_epoch_start``, every
+        callback's ``on_train_batch_start``) read them as an unbroken run does."""
+        pending = self.pending_rank_state
+        if pending is not None:
+            decoded = logged.restore_last(self.trainer, pending.get(logged.RANK_STATE_KEY))
+            pending[logged.RANK_STATE_KEY] = decoded  # read once
+
     def on_train_batch_start(self) -> None:
         """At every training batch's start: note the dataloaders' states (a save taken
         before the next batch holds them); right before the first resumed step, put back this
@@ -552,6 +563,14 @@ class ElasticSession:
         if logged.restore(self.trainer, pending.get(logged.RANK_STATE_KEY)):
             # what epoch-end plateau steps read is back: Lightning may step them again
             finish_fit_loop_restart(self.trainer)
+
+
+def _in_training(trainer: Any) -> bool:
+    """Whether a save now is one inside training: in a training hook, or in a validation
+    that runs inside a training epoch (where Lightning's ``ModelCheckpoint(monitor=...)``
+    saves, in ``on_validation_end``; ``trainer.training`` is ``False`` there, and such a
+    checkpoint used to hold no data position: its resume replayed the epoch's batches)."""
+    return bool(trainer.training) or training_epoch_open(trainer)
 
 
 def is_our_strategy(strategy: Any) -> bool:

@@ -211,6 +211,13 @@ class ElasticCheckpointing:
 
     # ------------------------------------------------------------------ hooks
 
+    def on_train_start(self) -> None:
+        """Put back the last logged values of a resumed fit (``trainer.callback_metrics``)."""
+        super().on_train_start()  # type: ignore[misc]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._session(trainer).on_train_start()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Note the loaders' states; before the first resumed step, restore RNG and metrics."""
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
