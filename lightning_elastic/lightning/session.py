@@ -470,7 +470,8 @@ class ElasticSession:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
         a LitData ``StreamingDataLoader`` keeps its own position, its epochs kept where the
         loop counts them (:mod:`~lightning_elastic.lightning.litdata_loaders`); other
-        dataloaders pass through.
+        dataloaders pass through. LitData datasets of every stage's dataloaders are checked
+        to read this rank's samples.
 
         Raises:
             DataShardingError: a LitData dataset was set up for another world size.
@@ -478,24 +479,27 @@ class ElasticSession:
         from lightning.pytorch.trainer.states import RunningStage
 
         from lightning_elastic.lightning import litdata_loaders as litdata
+        from lightning_elastic.lightning import litdata_ranks
         from lightning_elastic.lightning.data import make_elastic
 
         trainer = self.trainer
-        if trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
+        stage = trainer.state.stage
         # data-parallel ranks (with tensor parallelism, fewer than the world)
         replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {
             "num_replicas": trainer.world_size,
             "rank": trainer.global_rank,
         }
         rank, world = replicas["rank"], replicas["num_replicas"]
-        litdata.check_ranks(
+        litdata_ranks.check_ranks(
             dataloader,
             rank=rank,
             replicas=world,
             all_agree=lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+            hook=f"{getattr(stage, 'dataloader_prefix', None) or 'train'}_dataloader()",
         )
-        if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
+        if stage != RunningStage.TRAINING:
+            return dataloader
+        if litdata_ranks.is_streaming_loader(dataloader):  # keeps its own position: see there
             self.adopt_sampler(None)
             litdata.adopt(
                 dataloader,
@@ -505,6 +509,10 @@ class ElasticSession:
                 loop=litdata.LoopPosition.of(trainer),
                 global_batch_size=self.global_batch_size,
             )
+            return dataloader
+        if litdata_ranks.streaming_datasets(getattr(dataloader, "dataset", None)):
+            litdata.warn_not_resumable(dataloader)  # e.g. a torch DataLoader over LitData's
+            self.adopt_sampler(None)
             return dataloader
         dataloader, sampler = make_elastic(
             dataloader, num_replicas=world, rank=rank, global_batch_size=self.global_batch_size
