@@ -259,7 +259,7 @@ def adopt(
         else:
             length = loop.batches + plan.common
         if trainer.global_rank == 0:
-            _report(plan, state, world, loader, length)
+            _report(plan, state, world, loader, length, loop.epoch)
     follower = LitDataFollower(loader, trainer, length=length, ends_at_start=ends_at_start)
     follower.install()
     return follower
@@ -356,13 +356,17 @@ def _report(
     world: int,
     loader: Any,
     length: int,
+    epoch: int,
 ) -> None:
-    """The resume in one line (rank 0), and a warning when samples are not trained once."""
+    """The resume in one line (rank 0), and a warning when samples are not trained once
+    (``epoch``: the loop's, which LitData counts from 1 instead of 0)."""
     s = state["dataset"]
     saved = (s.get("world_size"), s.get("num_workers"), s.get("batch_size"))
     log.info(
-        "LitData resumes its epoch %s, saved at %s rank(s) x %s worker(s) x batch %s, at %d x "
-        "%d x %d: %d batch(es) per rank left, the loop's epoch ends after batch %d%s",
+        "LitData resumes the loop's epoch %d (LitData's epoch %s), saved at %s rank(s) x %s "
+        "worker(s) x batch %s, at %d x %d x %d: %d batch(es) per rank left, the loop's epoch "
+        "ends after batch %d%s",
+        epoch,
         s.get("current_epoch"),
         *saved,
         world,
@@ -390,9 +394,10 @@ def _report(
         )
     if problems:
         log.warning(
-            "LitData's elastic resume cannot train every sample of epoch %s once at the new "
-            "topology: %s. Resume at the saved topology (%s rank(s), %s worker(s), batch %s) "
-            "for an exact continuation; see docs/streaming.md.",
+            "LitData's elastic resume cannot train every sample of epoch %d (LitData's epoch "
+            "%s) once at the new topology: %s. Resume at the saved topology (%s rank(s), %s "
+            "worker(s), batch %s) for an exact continuation; see docs/streaming.md.",
+            epoch,
             s.get("current_epoch"),
             "; ".join(problems),
             *saved,

@@ -88,15 +88,24 @@ def check_ranks(
         return
     from litdata.utilities.env import _DistributedEnv
 
-    problem = None
+    problem, wrong_rank = None, []
     for dataset in datasets:
         env = dataset.distributed_env
-        where = dataset.input_dir.path or dataset.input_dir.url
         if (env.world_size, env.global_rank) == (replicas, rank):
             continue
         if env.world_size != replicas:
+            where = dataset.input_dir.path or dataset.input_dir.url
             problem = _world_problem(where, env, rank, replicas, _DistributedEnv.detect(), hook)
-            continue
+        else:
+            wrong_rank.append(dataset)
+    if not all_agree(problem is None):  # nothing is fixed (or said fixed) when the fit stops
+        raise DataShardingError(
+            problem
+            or "another rank's LitData StreamingDataset was set up for another world (see "
+            "that rank's error)"
+        )
+    for dataset in wrong_rank:
+        env = dataset.distributed_env
         # its node count stays: it decides the shuffle, and every rank built it the same way
         dataset.distributed_env = _DistributedEnv(replicas, rank, env.num_nodes)
         log.warning(
@@ -104,17 +113,11 @@ def check_ranks(
             "and would have read rank %d's samples on rank %d: it now reads rank %d's. Build "
             "it in %s or LightningDataModule.setup() (LitData reads the rank from "
             "GLOBAL_RANK, which torchrun does not set, until the process group exists).",
-            where,
+            dataset.input_dir.path or dataset.input_dir.url,
             env.global_rank,
             rank,
             rank,
             hook,
-        )
-    if not all_agree(problem is None):
-        raise DataShardingError(
-            problem
-            or "another rank's LitData StreamingDataset was set up for another world (see "
-            "that rank's error)"
         )
 
 

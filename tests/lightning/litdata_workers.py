@@ -160,6 +160,7 @@ def fit(
     drop_last: bool | None = True,
     before_group: bool = False,
     combined_with: str | None = None,
+    batch_size: int = 4,
     **trainer_kw: Any,
 ) -> dict[str, Any]:
     """Fit ``max_epochs`` (or ``max_steps``) at the process group's world size, or in this
@@ -182,6 +183,7 @@ def fit(
         combined_with=combined_with,
         n=N,
         dropout=0.3,
+        batch_size=batch_size,
     )
     grouped = torch.distributed.is_initialized()
     trainer = make_trainer(

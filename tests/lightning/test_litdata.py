@@ -199,7 +199,9 @@ def test_a_dataset_built_before_the_process_group_is_fixed_when_only_its_rank_is
     assert len(fixed) == len(rank0) == w.N // 2 and not fixed & rank0
 
 
-def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(monkeypatch, data) -> None:
+def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(
+    monkeypatch, data, caplog
+) -> None:
     # Lightning's own launcher: rank 0 built it before WORLD_SIZE was set (a world of 1, no
     # drop_last); the other ranks agree to refuse with it
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -208,9 +210,15 @@ def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(monkeypatch
     with pytest.raises(DataShardingError, match=r"world of 1 \(rank 0\).*train_dataloader\(\)"):
         litdata_ranks.check_ranks(loader, rank=0, replicas=2, all_agree=lambda ok: ok)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    fine = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=True), batch_size=4)
-    with pytest.raises(DataShardingError, match="another rank"):
-        litdata_ranks.check_ranks(fine, rank=0, replicas=2, all_agree=lambda ok: False)
+    dataset = w.streaming_dataset(data, drop_last=True)
+    wrong_rank = litdata.StreamingDataLoader(dataset, batch_size=4)
+    with (
+        caplog.at_level(logging.WARNING, "lightning_elastic"),
+        pytest.raises(DataShardingError, match="another rank"),
+    ):
+        litdata_ranks.check_ranks(wrong_rank, rank=1, replicas=2, all_agree=lambda ok: False)
+    # on a rank whose dataset only had its rank wrong: nothing said fixed, as nothing runs
+    assert wrong_rank.dataset.distributed_env.global_rank == 0 and not caplog.text
 
 
 def test_the_litdata_internals_we_rely_on_are_there() -> None:
@@ -312,6 +320,7 @@ def test_world_size_changes_end_every_epoch_where_its_data_ends(two_ranks, data)
         assert repeated == (4 if epoch == 1 else 0), f"epoch {epoch}: {repeated} twice"
     warned = [m for m in logs[2] if "cannot train every sample of epoch" in m]
     assert len(warned) == 1 and "4 sample(s) trained before the save are dealt again" in warned[0]
+    assert "every sample of epoch 1 (LitData's epoch 2)" in warned[0]  # the loop's, and LitData's
     assert not any("cannot train every sample" in m for m in logs[3] + logs[1])
 
 
