@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_elastic.errors import ConfigError, WorldSizeError
@@ -104,9 +104,11 @@ class LitDataFollower:
     """Keeps a resumed StreamingDataLoader's epochs where Lightning's loop counts them.
 
     ``length``: the resumed epoch's length as the loop counts it (``None``: the loader's own
-    ``len()``), reported by the loader until the next epoch starts. ``ends_at_start``: nothing
-    of the saved epoch is left for this topology; the loaded state is dropped before the first
-    batch, so the loop's next epoch reads a fresh LitData epoch.
+    ``len()``), reported by the loader until the next epoch starts. ``ends_at_start``: the
+    loop starts the next epoch; the loaded state is dropped before the first batch, so that
+    epoch reads a fresh LitData epoch. ``empty``: nothing of the saved epoch is left for this
+    topology; the loader's first pass yields nothing, so the loop ends the epoch there (and
+    ``empty()`` runs where its first batch would be fetched).
 
     Lightning calls :meth:`set_epoch` at every epoch start (through the loader's batch
     sampler): at the first epoch after the resumed one, the loader is told its resumed pass is
@@ -115,11 +117,18 @@ class LitDataFollower:
     """
 
     def __init__(
-        self, loader: Any, trainer: Any, *, length: int | None, ends_at_start: bool
+        self,
+        loader: Any,
+        trainer: Any,
+        *,
+        length: int | None,
+        ends_at_start: bool,
+        empty: Callable[[], None] | None = None,
     ) -> None:
         self.loader = loader
         self.length = length
         self.ends_at_start = ends_at_start
+        self.empty = empty
         self.resumed_epoch: int | None = None  # the loop's epoch the resumed pass belongs to
         self.done = False
         self._trainer = weakref.ref(trainer)
@@ -127,7 +136,8 @@ class LitDataFollower:
 
     def install(self) -> None:
         """Route Lightning's ``set_epoch`` here and, with a ``length``, report it as the
-        loader's ``len()`` (its class becomes a subclass that asks this object)."""
+        loader's ``len()`` (its class becomes a subclass that asks this object, also whether
+        its next pass is ``empty``)."""
         from lightning_elastic.lightning.streaming import EpochSignal
 
         self.loader.batch_sampler.sampler = EpochSignal(self)
@@ -162,7 +172,8 @@ _COUNTED: dict[type, type] = {}
 
 
 def _counted(cls: type) -> type:
-    """``cls`` with a ``__len__`` that reports its follower's ``length``, when it has one."""
+    """``cls`` with a ``__len__`` that reports its follower's ``length``, when it has one, and
+    an ``__iter__`` that yields nothing when its follower says the pass is ``empty``."""
     counted = _COUNTED.get(cls)
     if counted is None:
 
@@ -172,9 +183,29 @@ def _counted(cls: type) -> type:
                 return int(follower.length)
             return int(cls.__len__(self))  # type: ignore[attr-defined]
 
-        counted = type(cls.__name__, (cls,), {"__len__": __len__, "__qualname__": cls.__qualname__})
+        def __iter__(self: Any) -> Any:
+            follower = self.__dict__.get(_FOLLOWER)
+            if follower is not None and follower.empty is not None:
+                at_fetch, follower.empty = follower.empty, None
+                return _empty_pass(at_fetch)
+            return cls.__iter__(self)  # type: ignore[attr-defined]
+
+        counted = type(
+            cls.__name__,
+            (cls,),
+            {"__len__": __len__, "__iter__": __iter__, "__qualname__": cls.__qualname__},
+        )
         _COUNTED[cls] = counted
     return counted
+
+
+def _empty_pass(at_fetch: Callable[[], None]) -> Iterator[Any]:
+    at_fetch()  # where the loop asks for the first batch
+    yield from ()
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +237,13 @@ def adopt(
     states: list[Any],
     loop: LoopPosition,
     global_batch_size: int | None = None,
+    at_empty_pass: Callable[[], None] | None = None,
 ) -> LitDataFollower | None:
     """Set up a training StreamingDataLoader of a fit at ``world`` data-parallel ranks:
     ``states`` are the dataloader states Lightning will load (see :func:`litdata_state`),
     ``loop`` where its fit loop stands. Returns the follower of a resumed loader, or ``None``.
+    ``at_empty_pass()`` runs where the first resumed batch would start when the resumed epoch
+    has none left at this topology (the loop ends it there).
 
     A state LitData cannot resume is not given to it (the interrupted epoch starts over, with
     a warning): one it refuses (a combining dataset at another topology), one that is not
@@ -243,24 +277,34 @@ def adopt(
     if not single and changed:  # LitData resumes these at the saved topology only
         _ignore_state(loader, trainer, loop, _refused(state, loader, world), state)
         return None
-    length, ends_at_start = None, False
+    length, ends_at_start, empty = None, False, False
     if single and changed:
         plan = resume_plan(loader, state, world)
         prepare_state(loader, state, world)
-        if plan.common == 0 or loop.last_batch:  # nothing of the saved epoch is left
+        if loop.last_batch:  # Lightning starts the next epoch (a save at this one's end)
             ends_at_start = True
             fresh = len(loader)
-            if not loop.last_batch:
-                length = loop.batches  # the loop ends the epoch at once, without a batch
-            elif loop.batches >= fresh:
-                length = fresh  # the loop starts a new epoch at batch 0
-            else:  # it counts on from `batches` over a whole epoch (see ElasticSampler._settle)
-                length = loop.batches + fresh
+            # a new epoch at batch 0 or, counting on from `batches`, over a whole epoch (see
+            # ElasticSampler._settle)
+            length = fresh if loop.batches >= fresh else loop.batches + fresh
+        elif plan.common == 0:
+            # nothing of the saved epoch is left here: the loop's epoch ends without a batch
+            # (an empty pass). Reporting `batches` as its length instead made Lightning start
+            # the epoch over (a restart with every batch done resets its batch counter), and
+            # the next LitData epoch ran as the rest of this one: 88 of 96 samples twice
+            length, empty = loop.batches + 1, True
         else:
             length = loop.batches + plan.common
         if trainer.global_rank == 0:
-            _report(plan, state, world, loader, length, loop.epoch)
-    follower = LitDataFollower(loader, trainer, length=length, ends_at_start=ends_at_start)
+            ends = loop.batches if empty else length
+            _report(plan, state, world, loader, ends, loop.epoch)
+    follower = LitDataFollower(
+        loader,
+        trainer,
+        length=length,
+        ends_at_start=ends_at_start,
+        empty=(at_empty_pass or _nothing) if empty else None,
+    )
     follower.install()
     return follower
 

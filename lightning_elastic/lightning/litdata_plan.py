@@ -218,11 +218,14 @@ def resume_plan(loader: Any, state: dict[str, Any], world: int) -> ResumePlan:
         start = first - first % (world * batch)
         skipped = 0
     common = min(batches, default=0)
+    # the samples done again lead what is dealt; drop_last trims its end (all of it, when
+    # fewer than the new topology's global batch are left)
+    repeated = 0 if replay else min(done - start, planned)
     return ResumePlan(
         batches,
-        repeated=0 if replay else done - start,
+        repeated=repeated,
         skipped=skipped,
-        dropped=0 if replay else max(0, len(stream) - start - skipped - planned),
+        dropped=0 if replay else max(0, len(stream) - done - skipped - (planned - repeated)),
         uneven=sum(b - common for b in batches),
     )
 

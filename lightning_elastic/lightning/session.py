@@ -508,6 +508,7 @@ class ElasticSession:
                 states=pending_loader_states(trainer),
                 loop=litdata.LoopPosition.of(trainer),
                 global_batch_size=self.global_batch_size,
+                at_empty_pass=self.restore_rank_state,
             )
             return dataloader
         if litdata_ranks.streaming_datasets(getattr(dataloader, "dataset", None)):
@@ -535,6 +536,12 @@ class ElasticSession:
         rank's RNG, metric states and logged values (after dataloader iterators were created,
         so they cannot shift the streams; at the point of the batch where they were saved)."""
         self.loader_states.record(self.trainer)
+        self.restore_rank_state()
+
+    def restore_rank_state(self) -> None:
+        """Put back this rank's RNG, metric states and logged values, if a resume left them
+        pending (once): at the first resumed batch's start or, when the resumed epoch has no
+        batch left (a LitData loader's empty pass), where it would have started."""
         pending = self.pending_rank_state
         if pending is None:
             return

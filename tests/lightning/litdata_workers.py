@@ -209,6 +209,7 @@ def fit(
         "crashed": crashed,
         "losses": model.losses,
         "seen": model.seen,
+        "epoch_metrics": model.epoch_metrics,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
         "resumed_from": trainer.ckpt_path,

@@ -120,8 +120,11 @@ def trained_before(monkeypatch, data, world, workers, batch, batches, drop_last=
         # without drop_last, 96 - 15 samples left in batches of 5: ranks 0 and 1 get 6
         # batches, rank 2 gets 5; the loop runs 5 on each (and 24 done are rounded down to 15)
         ((2, 0, 4), 3, (3, 0, 5), False, {"batches": (6, 6, 5), "repeated": 9, "uneven": 2}),
+        # 92 of 96 done, rounded down to 91 (batches of 7): the 5 left are fewer than a batch,
+        # drop_last deals none, so none is dealt again (the 4 never trained are dropped)
+        ((1, 0, 4), 23, (1, 0, 7), True, {"batches": (0,), "dropped": 4}),
     ],
-    ids=["2to3-workers", "3to2-repeats", "2to1", "2to3-late", "2to3-uneven"],
+    ids=["2to3-workers", "3to2-repeats", "2to1", "2to3-late", "2to3-uneven", "batch-4to7-late"],
 )
 def test_the_resume_plan_is_what_litdata_yields(
     monkeypatch, data, saved, batches, now, drop_last, expected
@@ -390,6 +393,11 @@ def one_rank(data, small, tmp_path_factory) -> dict[str, Any]:
                 "crashed": w.fit(f"{root}/{name}/run", data, crash_at=crash_at, **kw),
                 "resumed": w.fit(f"{root}/{name}/run", data, **kw),
             }
+        # batch 4 crashed after 23 of 24 batches (saved there), resumed with batch 7: the
+        # 4 samples left are fewer than a batch, LitData's elastic resume deals none
+        crashed = w.fit(f"{root}/empty", data, max_epochs=2, crash_at=23, every=23)
+        resumed = w.fit(f"{root}/empty", data, max_epochs=2, every=23, batch_size=7)
+        runs["empty"] = {"crashed": crashed, "resumed": resumed, "root": f"{root}/empty"}
     return runs
 
 
@@ -612,3 +620,22 @@ def test_a_validation_dataset_built_before_the_process_group_is_refused_too(
     model.validation = validation
     with pytest.raises(DataShardingError, match=r"world of 2 \(rank 1\).* in val_dataloader\(\)"):
         fit_briefly(tmp_path, model)
+
+
+def test_a_resume_that_leaves_no_batch_of_the_epoch_ends_it_at_once(one_rank) -> None:
+    # the loop's epoch 0 ends where it was saved (its length was reported as the 23 batches
+    # done: Lightning then started epoch 0 over, with LitData's next epoch as its rest, 88 of
+    # 96 samples twice at 2 -> 3 ranks); epoch 1 is a whole LitData epoch of 13 batches of 7
+    run = one_rank["empty"]
+    assert run["crashed"]["crashed"] and run["resumed"]["resumed_from"].endswith("000000023")
+    assert (run["resumed"]["global_step"], run["resumed"]["current_epoch"]) == (36, 2)
+    records = journal.read(f"{run['root']}/journal")
+    ends = [(r["epoch"], r["step"], r["batches"]) for r in records if r["kind"] == "epoch_end"]
+    assert ends == [(0, 23, 0), (1, 36, 13)]
+    per_epoch = journal.samples_per_epoch(records, 36)
+    assert (len(per_epoch[0]), len(per_epoch[1])) == (92, 91)
+    assert all(n == 1 for counts in per_epoch.values() for n in counts.values())
+    # the metric states saved mid-epoch 0 are put back where its first resumed batch would
+    # have started: epoch 0's epoch-end metrics count its 92 samples, epoch 1's its own 91
+    metrics = run["resumed"]["epoch_metrics"]
+    assert [(m["epoch"], len(m["id_cat"])) for m in metrics] == [(0, 92), (1, 91)]
