@@ -262,7 +262,7 @@ def adopt(
         return None
     if state is None or problem is not None:
         if states:  # Lightning gives this loader one of them
-            why = "it is not this loader's" if problem is None else f"unreadable: {problem}"
+            why = f"unreadable: {problem}" if problem else _not_ours(loader)
             _ignore_state(loader, trainer, loop, why, None)
         else:
             _continue_epochs(loader, trainer, loop, None)
@@ -324,6 +324,14 @@ def _check_batch(loader: Any, world: int, global_batch_size: int | None) -> None
         f"{global_batch_size // world} at world size {world}, but the StreamingDataLoader "
         f"has batch_size={batch}: build it with batch_size=global_batch_size // world_size "
         "in train_dataloader() (it cannot be rebuilt with another batch size)"
+    )
+
+
+def _not_ours(loader: Any) -> str:
+    dirs = [d.input_dir.path or d.input_dir.url for d in streaming_datasets(loader.dataset)]
+    return (
+        f"none of its training dataloader states reads {', '.join(map(str, dirs))}: it was "
+        "written with another dataloader or data"
     )
 
 

@@ -501,7 +501,7 @@ def test_hostile_a_checkpoint_of_another_training_dataloader_is_not_given_to_lit
     with caplog.at_level(logging.WARNING, "lightning_elastic"):
         litdata_loaders.adopt(loader, Trainer(), world=1, states=[{}], loop=MID_EPOCH_2)
         loader.load_state_dict({})
-    assert "not resumed (it is not this loader's)" in caplog.text
+    assert f"not resumed (none of its training dataloader states reads {data}:" in caplog.text
     assert loader.current_epoch == 2 and not loader.restore
 
 
