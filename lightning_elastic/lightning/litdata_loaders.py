@@ -281,23 +281,9 @@ def adopt(
     if single and changed:
         plan = resume_plan(loader, state, world)
         prepare_state(loader, state, world)
-        if loop.last_batch:  # Lightning starts the next epoch (a save at this one's end)
-            ends_at_start = True
-            fresh = len(loader)
-            # a new epoch at batch 0 or, counting on from `batches`, over a whole epoch (see
-            # ElasticSampler._settle)
-            length = fresh if loop.batches >= fresh else loop.batches + fresh
-        elif plan.common == 0:
-            # nothing of the saved epoch is left here: the loop's epoch ends without a batch
-            # (an empty pass). Reporting `batches` as its length instead made Lightning start
-            # the epoch over (a restart with every batch done resets its batch counter), and
-            # the next LitData epoch ran as the rest of this one: 88 of 96 samples twice
-            length, empty = loop.batches + 1, True
-        else:
-            length = loop.batches + plan.common
+        length, ends_at_start, empty = _elastic_epoch(loader, loop, plan)
         if trainer.global_rank == 0:
-            ends = loop.batches if empty else length
-            _report(plan, state, world, loader, ends, loop.epoch)
+            _report(plan, state, world, loader, loop.batches if empty else length, loop.epoch)
     follower = LitDataFollower(
         loader,
         trainer,
@@ -307,6 +293,24 @@ def adopt(
     )
     follower.install()
     return follower
+
+
+def _elastic_epoch(loader: Any, loop: LoopPosition, plan: ResumePlan) -> tuple[int, bool, bool]:
+    """The resumed epoch's length as the loop counts it at the new topology, whether the loop
+    starts the next epoch (``ends_at_start``) and whether nothing is left of this one
+    (``empty``)."""
+    if loop.last_batch:  # Lightning starts the next epoch (a save at this one's end)
+        fresh = len(loader)
+        # a new epoch at batch 0 or, counting on from `batches`, over a whole epoch (see
+        # ElasticSampler._settle)
+        return (fresh if loop.batches >= fresh else loop.batches + fresh), True, False
+    if plan.common == 0:
+        # nothing of the saved epoch is left here: the loop's epoch ends without a batch (an
+        # empty pass). Reporting `batches` as its length instead made Lightning start the
+        # epoch over (a restart with every batch done resets its batch counter), and the next
+        # LitData epoch ran as the rest of this one: 88 of 96 samples twice
+        return loop.batches + 1, False, True
+    return loop.batches + plan.common, False, False
 
 
 def _check_batch(loader: Any, world: int, global_batch_size: int | None) -> None:
