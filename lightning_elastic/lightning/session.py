@@ -480,7 +480,8 @@ class ElasticSession:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
         a LitData ``StreamingDataLoader`` keeps its own position, its epochs kept where the
         loop counts them (:mod:`~lightning_elastic.lightning.litdata_loaders`); other
-        dataloaders pass through.
+        dataloaders pass through. LitData datasets of every stage's dataloaders are checked
+        to read this rank's samples.
 
         Raises:
             DataShardingError: a LitData dataset was set up for another world size.
@@ -488,24 +489,27 @@ class ElasticSession:
         from lightning.pytorch.trainer.states import RunningStage
 
         from lightning_elastic.lightning import litdata_loaders as litdata
+        from lightning_elastic.lightning import litdata_ranks
         from lightning_elastic.lightning.data import make_elastic
 
         trainer = self.trainer
-        if trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
+        stage = trainer.state.stage
         # data-parallel ranks (with tensor parallelism, fewer than the world)
         replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {
             "num_replicas": trainer.world_size,
             "rank": trainer.global_rank,
         }
         rank, world = replicas["rank"], replicas["num_replicas"]
-        litdata.check_ranks(
+        litdata_ranks.check_ranks(
             dataloader,
             rank=rank,
             replicas=world,
             all_agree=lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+            hook=f"{getattr(stage, 'dataloader_prefix', None) or 'train'}_dataloader()",
         )
-        if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
+        if stage != RunningStage.TRAINING:
+            return dataloader
+        if litdata_ranks.is_streaming_loader(dataloader):  # keeps its own position: see there
             self.adopt_sampler(None)
             litdata.adopt(
                 dataloader,
@@ -514,7 +518,12 @@ class ElasticSession:
                 states=pending_loader_states(trainer),
                 loop=litdata.LoopPosition.of(trainer),
                 global_batch_size=self.global_batch_size,
+                at_empty_pass=self.restore_rank_state,
             )
+            return dataloader
+        if litdata_ranks.streaming_datasets(getattr(dataloader, "dataset", None)):
+            litdata.warn_not_resumable(dataloader)  # e.g. a torch DataLoader over LitData's
+            self.adopt_sampler(None)
             return dataloader
         dataloader, sampler = make_elastic(
             dataloader, num_replicas=world, rank=rank, global_batch_size=self.global_batch_size
@@ -547,6 +556,12 @@ class ElasticSession:
         rank's RNG, metric states and logged values (after dataloader iterators were created,
         so they cannot shift the streams; at the point of the batch where they were saved)."""
         self.loader_states.record(self.trainer)
+        self.restore_rank_state()
+
+    def restore_rank_state(self) -> None:
+        """Put back this rank's RNG, metric states and logged values, if a resume left them
+        pending (once): at the first resumed batch's start or, when the resumed epoch has no
+        batch left (a LitData loader's empty pass), where it would have started."""
         pending = self.pending_rank_state
         if pending is None:
             return
