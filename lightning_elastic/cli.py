@@ -839,7 +839,8 @@ def _prune(args: argparse.Namespace) -> int:
             deleted.append(info)
             continue
         try:
-            delete_checkpoint(storage, catalog, info.name)
+            save_id = info.manifest.save_id if info.manifest is not None else None
+            delete_checkpoint(storage, catalog, info.name, save_id=save_id)  # as scanned
             deleted.append(info)
         except ElasticCheckpointError as exc:
             failed.append((info, str(exc)))

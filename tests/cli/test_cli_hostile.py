@@ -158,7 +158,7 @@ def test_prune_summary_counts_what_it_did(root, capsys) -> None:
 
 
 def test_prune_reports_a_failed_deletion(root, capsys, monkeypatch) -> None:
-    def refuse(*_: object) -> None:
+    def refuse(*_: object, **__: object) -> None:
         raise StoragePermissionError("delete", "x", "permission denied")
 
     monkeypatch.setattr(cli, "delete_checkpoint", refuse)

@@ -39,6 +39,7 @@ from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.catalog import VALID, Catalog
 from lightning_elastic.core.format.integrity import verify_files
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
+from lightning_elastic.core.policy import housekeeping
 from lightning_elastic.core.policy.retention import KeepLastN
 from lightning_elastic.core.save.request import SaveResult
 from lightning_elastic.core.storage.base import Storage
@@ -685,6 +686,130 @@ def test_a_claim_whose_directory_another_run_removes_is_written_again(tmp_path: 
     with engine("run-y", storage=storage) as y:
         assert save(y, 3, "y").name == "step_000000003"
         assert not storage.hooks, "the claim was never written"
+
+
+# A deletion is decided on a scan and carried out later: a prune scans the whole root (and
+# checks every file's size) before it deletes, and a run's retention deletes one checkpoint
+# after another. Meanwhile the checkpoint may be gone already (the run's own retention, or
+# a prune, in another process) and another run may have claimed its freed name.
+
+
+def stale_plan(monkeypatch: pytest.MonkeyPatch, module: Any, meanwhile: Any) -> None:
+    """``module.plan_deletions`` plans as before, then ``meanwhile()`` runs once (between the
+    scan the plan came from and the deletions it asks for)."""
+    real = module.plan_deletions
+    ran: list[bool] = []
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        doomed = real(*args, **kwargs)
+        if doomed and not ran:
+            ran.append(True)
+            meanwhile()
+        return doomed
+
+    monkeypatch.setattr(module, "plan_deletions", planned)
+
+
+def deleted_and_taken(root: str, options: dict[str, Any], name: str, y: CheckpointEngine) -> str:
+    """Someone else deletes ``name`` (as a prune does), then run y, lagging behind, commits
+    its own checkpoint of that step (``step_1``) under the freed name."""
+    storage = Storage(root, storage_options=options)
+    housekeeping.delete_checkpoint(storage, Catalog(storage), name)
+    taken = save(y, 1, "y").name
+    assert taken == name
+    return taken
+
+
+def assert_intact(root: str, options: dict[str, Any], name: str, run_id: str) -> None:
+    storage = Storage(root, storage_options=options)
+    info = Catalog(storage).info(name)
+    assert info.status == VALID and info.manifest is not None, info
+    assert info.run_id == run_id
+    assert not verify_files(storage.child(name), info.manifest, "full")
+
+
+def test_retention_leaves_a_checkpoint_another_run_committed_under_a_name_it_planned_to_delete(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """x's retention plans to delete x's ``step_1``; before it does, a prune has deleted it
+    and run y has committed its own ``step_1`` there. x must delete nothing of y's: the name
+    it planned with now holds another commit (before, x deleted y's manifest and files)."""
+    opts = backend.options
+    with (
+        CheckpointEngine(
+            backend.root,
+            storage_options=opts,
+            coordinator=Coordinator.single_process(),
+            run_id="run-x",
+            retention=[KeepLastN(1)],
+            async_save=False,
+        ) as x,
+        CheckpointEngine(
+            backend.root,
+            storage_options=opts,
+            coordinator=Coordinator.single_process(),
+            run_id="run-y",
+            async_save=False,
+        ) as y,
+    ):
+        name = save(x, 1, "x").name
+        taken: list[str] = []
+        stale_plan(
+            monkeypatch,
+            housekeeping,
+            lambda: taken.append(deleted_and_taken(backend.root, opts, name, y)),
+        )
+        save(x, 2, "x")
+        assert taken == [name]
+    assert_intact(backend.root, opts, name, "run-y")
+
+
+def test_a_stale_deletion_leaves_the_files_of_a_save_in_flight_under_the_name(
+    tmp_path: Path,
+) -> None:
+    """x's retention (or a prune) decided to delete x's ``step_1``, which is gone by the time
+    it acts: y has claimed the freed name and written its shards, and commits right after. The
+    stale deletion must leave y's claim and shards (before, it deleted them, and y committed a
+    checkpoint whose files were missing)."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+    with engine("run-x", root=root) as x, engine("run-y", storage=storage) as y:
+        name = save(x, 1, "x").name
+        plain = Storage(str(root))
+        stale = Catalog(plain).info(name)
+        assert stale.manifest is not None
+        housekeeping.delete_checkpoint(plain, Catalog(plain), name)  # a prune, say
+
+        def stale_deletion() -> None:
+            assert stale.manifest is not None
+            housekeeping.delete_checkpoint(
+                plain,
+                Catalog(plain),
+                name,
+                listed=[f.path for f in stale.manifest.files],
+                save_id=stale.manifest.save_id,
+            )
+
+        storage.hooks["before-write:manifest.json"] = stale_deletion
+        assert save(y, 1, "y").name == name
+        assert not storage.hooks, "the stale deletion never ran"
+    assert_intact(str(root), {}, name, "run-y")
+
+
+def test_a_prune_leaves_a_checkpoint_committed_under_a_name_since_it_scanned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``prune --keep-last 1`` scans the root and plans to delete x's ``step_1``; before it
+    deletes, x's own retention has deleted it and run y has committed ``step_1``. The prune
+    must leave y's checkpoint."""
+    root = tmp_path / "ckpts"
+    with engine("run-x", root=root) as x, engine("run-y", root=root) as y:
+        name = save(x, 1, "x").name
+        save(x, 2, "x")
+        stale_plan(monkeypatch, cli, lambda: deleted_and_taken(str(root), {}, name, y))
+        assert cli.main(["prune", str(root), "--keep-last", "1", "--run-id", "run-x"]) == 0
+    assert_intact(str(root), {}, name, "run-y")
+    assert "deleted" in capsys.readouterr().out
 
 
 def test_a_stale_writer_learns_it_is_stale_whatever_else_fails(tmp_path: Path) -> None:
