@@ -812,6 +812,32 @@ def test_a_prune_leaves_a_checkpoint_committed_under_a_name_since_it_scanned(
     assert "deleted" in capsys.readouterr().out
 
 
+def test_a_claim_is_kept_while_another_saves_claim_of_the_name_is_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Two saves claim ``step_5`` at once: on a local disk a claim is written to a temporary
+    file and linked to ``_staging.json``, so y's link wins while x's temporary file is still
+    there (x's link then fails and x moves on). y must keep its claim: it took x's temporary
+    file for another save's data, gave the name back and left an empty directory behind, and
+    with three runs both claimers could give up the name."""
+    root = tmp_path / "ckpts"
+    storage = hooked(root)
+
+    def x_claims_meanwhile() -> None:
+        (root / "step_000000005").mkdir(parents=True, exist_ok=True)
+        (root / "step_000000005" / "_staging.json.tmp-0123456789ab").write_text('{"run_id": "x"')
+
+    storage.hooks["before-write:step_000000005/_staging.json"] = x_claims_meanwhile
+    with engine("run-y", storage=storage) as y:
+        result = save(y, 5, "y")
+    assert not storage.hooks, "the other claim never started"
+    assert result.name == "step_000000005"
+    assert result.manifest is not None
+    assert set(listing(root, result.name)) == {MANIFEST_FILE} | {
+        f.path for f in result.manifest.files
+    }
+
+
 def test_a_stale_writer_learns_it_is_stale_whatever_else_fails(tmp_path: Path) -> None:
     """The old copy (a) writes while its requeued copy (b) holds the run. The newer job's
     cleanup removes a's in-flight directory under it, so a's shard write fails (emulated:

@@ -301,9 +301,12 @@ def _claimed_alone(storage: Storage, name: str) -> bool:
     """Our claim is in ``name`` and no other save's file is. Between the check above and the
     claim, another save may have committed there and released its claim, or retention may
     be deleting a checkpoint there (manifest already gone): writing into either would mix
-    two saves in one directory."""
+    two saves in one directory. Another save's claim still being written (its temporary
+    ``_staging.json.tmp-*`` on a local disk) is no such file: its link to ``_staging.json``
+    fails now that ours is there, and it moves on."""
     names = {e.name for e in storage.listdir(name)}
-    return STAGING_FILE in names and not holds_checkpoint_files(names - {STAGING_FILE})
+    others = {n for n in names if not n.startswith(f"{STAGING_FILE}.tmp-")} - {STAGING_FILE}
+    return STAGING_FILE in names and not holds_checkpoint_files(others)
 
 
 #: replicated items below this size are written by the lowest rank holding them, up to
