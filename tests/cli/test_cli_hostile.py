@@ -227,12 +227,15 @@ def test_bad_arguments_give_one_line_and_exit_2(root, capsys, argv) -> None:
     ("flag", "value"),
     [
         ("--keep-last", "1" + "0" * 400),
+        ("--keep-last", "1e3"),  # not a whole number: said with the range, as 0 is
+        ("--keep-every-n-steps", "2.0"),
         ("--keep-every-n-steps", str(2**62 + 1)),
         ("--leftover-grace", "nan"),
         ("--leftover-grace", "inf"),
         ("--leftover-grace", "1e400"),
         ("--leftover-grace", "-1"),
         ("--leftover-grace", str(10**400)),
+        ("--leftover-grace", "soon"),
     ],
 )
 def test_numeric_flags_refuse_values_they_cannot_represent(root, capsys, flag, value) -> None:
