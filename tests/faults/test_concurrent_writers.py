@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
-import shutil
 import socket
 import threading
 from collections import defaultdict
@@ -601,17 +600,16 @@ def test_a_save_survives_another_runs_retention_during_its_commit(tmp_path: Path
     assert not (root / "step_000000001").exists(), "x's retention ran"
 
 
-def recommitted(root: Path, name: str, run_id: str) -> Manifest:
+def recommitted(storage: Storage, name: str, run_id: str) -> Manifest:
     """Replace the checkpoint ``name`` with one of run ``run_id`` committed there by a save
     of its own (a new save id, its files named after it) whose manifest has exactly the old
     one's size: what another run's commit under a freed name can look like."""
-    old = Manifest.from_json((root / name / MANIFEST_FILE).read_bytes(), name)
+    old = Manifest.from_json(storage.read_bytes(f"{name}/{MANIFEST_FILE}"), name)
     new_id = "f" * len(old.save_id)
-    data = {f.path: (root / name / f.path).read_bytes() for f in old.files}
-    shutil.rmtree(root / name)
-    (root / name).mkdir()
+    data = {f.path: storage.read_bytes(f"{name}/{f.path}") for f in old.files}
+    storage.delete_tree(name)
     for path, body in data.items():
-        (root / name / path.replace(old.save_id, new_id)).write_bytes(body)
+        storage.write_bytes(f"{name}/{path.replace(old.save_id, new_id)}", body)
     new = dataclasses.replace(
         old,
         run_id=run_id,
@@ -622,22 +620,33 @@ def recommitted(root: Path, name: str, run_id: str) -> Manifest:
         dcp_metadata=old.dcp_metadata.replace(old.save_id, new_id),
     )
     assert len(new.to_json()) == len(old.to_json())
-    (root / name / MANIFEST_FILE).write_text(new.to_json())
+    storage.write_bytes(f"{name}/{MANIFEST_FILE}", new.to_json().encode())
     return new
 
 
 def test_a_cached_manifest_is_never_taken_for_a_later_commit_under_its_name(
-    tmp_path: Path,
+    backend: Backend,
 ) -> None:
     """Run y's engine has read run x's ``step_5``; x's retention deletes it and y commits its
     own ``step_5`` there, with a manifest of the same size. y's catalog must see y's commit
     (taking it for x's, y never pruned it and failed to load it: the files x's manifest
-    lists are gone)."""
-    root = tmp_path / "ckpts"
-    with engine("run-x", root=root) as x, engine("run-y", root=root) as y:
+    lists are gone). On S3 too, where the listing's sizes are what the cache is checked by."""
+
+    def one(run_id: str) -> CheckpointEngine:
+        return CheckpointEngine(
+            backend.root,
+            storage_options=backend.options,
+            coordinator=Coordinator.single_process(),
+            run_id=run_id,
+            async_save=False,
+        )
+
+    with one("run-x") as x, one("run-y") as y:
         save(x, 5, "x")
         assert [i.run_id for i in y.catalog.scan()] == ["run-x"]
-        mine = recommitted(root, "step_000000005", "run-y")
+        mine = recommitted(
+            Storage(backend.root, storage_options=backend.options), "step_000000005", "run-y"
+        )
         (info,) = y.catalog.scan()
         assert (info.run_id, info.manifest) == ("run-y", mine)
         assert y.catalog.info("step_000000005").manifest == mine
