@@ -22,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
+import os
 import socket
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -845,6 +847,27 @@ def test_a_claim_is_kept_while_another_saves_claim_of_the_name_is_in_flight(
     assert set(listing(root, result.name)) == {MANIFEST_FILE} | {
         f.path for f in result.manifest.files
     }
+
+
+def test_a_claim_that_crashed_half_written_keeps_its_name_until_it_is_collected(
+    tmp_path: Path,
+) -> None:
+    """What a claim that crashed while being written leaves (an old ``_staging.json.tmp-*``,
+    nothing else) is not a claim racing ours: the name stays taken (garbage collection may be
+    removing that directory right now), the save takes the next name, and the leftover is
+    collected once older than the grace period."""
+    root = tmp_path / "ckpts"
+    crashed = root / "step_000000005" / "_staging.json.tmp-0123456789ab"
+    crashed.parent.mkdir(parents=True)
+    crashed.write_text('{"run_id": "x"')
+    a_minute_ago = time.time() - 60  # older than any racing claim, younger than the grace
+    os.utime(crashed, (a_minute_ago, a_minute_ago))
+    with engine("run-y", root=root) as y:
+        assert save(y, 5, "y").name == "step_000000005-1"
+    assert crashed.exists()
+    plain = Storage(str(root))
+    housekeeping.collect_garbage(plain, Catalog(plain), run_id="run-y", grace_s=30)
+    assert not crashed.parent.exists()
 
 
 def test_a_stale_writer_learns_it_is_stale_whatever_else_fails(tmp_path: Path) -> None:
