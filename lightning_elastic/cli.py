@@ -33,6 +33,7 @@ import neither Lightning nor torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -144,10 +145,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(text: str) -> int:
-    try:
+    """A whole number >= 1 (``1e3`` and ``2.0`` refused, as the Python options refuse them:
+    the message says which numbers are)."""
+    value: object = text
+    with contextlib.suppress(ValueError):
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     try:
         return check_count(value, "N")
     except ConfigError as exc:
@@ -156,12 +158,11 @@ def _positive(text: str) -> int:
 
 def _seconds(text: str) -> float:
     """A duration in seconds >= 0 (``nan``, ``inf`` and negative ones refused)."""
-    try:
+    value: object = text
+    with contextlib.suppress(ValueError):
         value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     try:
-        return check_seconds(value, "SECONDS", zero=True, given=text)
+        return check_seconds(value, "SECONDS", zero=True, given=text, what="a number of seconds")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -851,7 +852,8 @@ def _prune(args: argparse.Namespace) -> int:
             deleted.append(info)
             continue
         try:
-            delete_checkpoint(storage, catalog, info.name)
+            save_id = info.manifest.save_id if info.manifest is not None else None
+            delete_checkpoint(storage, catalog, info.name, save_id=save_id)  # as scanned
             deleted.append(info)
         except ElasticCheckpointError as exc:
             failed.append((info, str(exc)))

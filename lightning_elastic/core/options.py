@@ -20,6 +20,7 @@ import signal as signal_module
 import unicodedata
 from collections.abc import Sequence
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 from lightning_elastic.errors import ConfigError
@@ -32,6 +33,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_count",
+    "check_duration",
     "check_factor",
     "check_node_id",
     "check_number",
@@ -79,7 +81,9 @@ def check_number(
     ``None``: unbounded, yet finite). Refused, with a :class:`ConfigError` naming the option,
     the value (``given`` when the user wrote something else, e.g. ``"4h"``) and the range:
     bools, strings and other types, NaN, infinities, and (for a float) integers beyond a
-    float's range.
+    float's range. Numpy scalars, ``Fraction`` and (for a float) ``Decimal`` are numbers like
+    any other; what is returned is always a plain ``int`` or ``float`` (``-0.0`` as ``0.0``),
+    which is what the caller should keep.
     """
     shown = value if given is _UNSET else given
     kind = what or ("an integer" if integer else "a number")
@@ -87,8 +91,9 @@ def check_number(
     if not _numeric(value, integer):
         raise ConfigError(f"{wanted}, got {_given(shown)}")
     try:
-        number: Any = operator.index(value) if integer else float(value)
-    except (OverflowError, ValueError):  # an int beyond a float's range
+        # + 0.0: a -0.0 would print as another value than 0
+        number: Any = operator.index(value) if integer else float(value) + 0.0
+    except (OverflowError, ValueError):  # an int beyond a float's range; Decimal('sNaN')
         raise ConfigError(f"{wanted}, got {_given(shown)}") from None
     if not integer and not math.isfinite(number):
         raise ConfigError(f"{wanted}, got {_given(shown)}")
@@ -101,8 +106,9 @@ def check_number(
 
 
 def _numeric(value: Any, integer: bool) -> bool:
-    """An int (any integral type but bool), or for a float any real number but a bool."""
-    kind = numbers.Integral if integer else numbers.Real
+    """An int (any integral type but bool), or for a float any real number but a bool (a
+    ``Decimal`` too: not a ``numbers.Real``, but what ``Decimal("0.05")`` means is clear)."""
+    kind = numbers.Integral if integer else (numbers.Real, Decimal)
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
@@ -174,9 +180,11 @@ def check_seconds(
     zero: bool = False,
     maximum: float = MAX_SECONDS,
     given: Any = _UNSET,
+    what: str = "a duration (a timedelta or seconds)",
 ) -> float:
     """A finite duration given as a ``timedelta`` or a number of seconds: at least a
-    microsecond (a timedelta's resolution; ``zero``: or 0) and at most ``maximum`` (a year)."""
+    microsecond (a timedelta's resolution; ``zero``: or 0) and at most ``maximum`` (a year).
+    ``what``: how the message calls it."""
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
     years = maximum / MAX_SECONDS
     limit = f" (at most {'a year' if years == 1 else f'{years:g} years'})"
@@ -185,11 +193,16 @@ def check_seconds(
         name,
         low=0.0 if zero else MIN_SECONDS,
         high=maximum,
-        what="a duration (a timedelta or seconds)",
+        what=what,
         unit=f" s{limit}",
         given=value if given is _UNSET else given,
     )
     return checked
+
+
+def check_duration(value: Any, name: str) -> timedelta:
+    """:func:`check_seconds`'s duration as a ``timedelta`` (given as one or as seconds)."""
+    return timedelta(seconds=check_seconds(value, name))
 
 
 def check_seed(value: Any, name: str = "seed") -> int:
@@ -284,11 +297,11 @@ def tier_options(
     if not isinstance(local_dirpath, (str, os.PathLike)) or not str(local_dirpath):
         raise ConfigError(f"local_dirpath must be a path, got {local_dirpath!r}")
     if persist_every_n_saves is not None:
-        check_count(persist_every_n_saves, "persist_every_n_saves")
+        given["persist_every_n_saves"] = check_count(persist_every_n_saves, "persist_every_n_saves")
     if replicas is not None:
-        check_count(replicas, "replicas", minimum=0)
+        given["replicas"] = check_count(replicas, "replicas", minimum=0)
     if local_keep is not None:
-        check_count(local_keep, "local_keep")
+        given["local_keep"] = check_count(local_keep, "local_keep")
     if node is not None:
         check_node_id(node)
     return {"local_root": str(local_dirpath), **given}

@@ -85,9 +85,10 @@ class DistributedCheckpoint(Checkpoint):
         storage_options: fsspec options for ``dirpath`` (credentials, endpoint_url, ...).
         every_n_train_steps: save every N optimizer steps (``global_step``).
         train_time_interval: save when this much training time passed since the last save
-            (a ``timedelta`` or seconds); decided by rank 0's clock for all ranks. ``"auto"``:
-            the interval follows Young-Daly, ``sqrt(2 x cost x MTBF)``, from each save's
-            measured cost (see ``mtbf``, ``max_overhead`` and docs/cadence.md);
+            (a ``timedelta``, seconds or a string like ``"30m"``); decided by rank 0's clock
+            for all ranks. ``"auto"``: the interval follows Young-Daly,
+            ``sqrt(2 x cost x MTBF)``, from each save's measured cost (see ``mtbf``,
+            ``max_overhead`` and docs/cadence.md);
             ``"continuous"``: save as soon as the previous save committed and
             ``min_interval`` passed.
         every_n_epochs: save at the end of every N-th training epoch.

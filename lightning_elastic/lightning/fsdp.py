@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_elastic.core.load.load import Targets
-from lightning_elastic.core.options import check_count
+from lightning_elastic.core.options import check_count, check_duration
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
 from lightning_elastic.lightning._compat import unwrap_optimizer
@@ -67,7 +67,8 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         tensor_parallel_size: ranks of one tensor-parallel group (default 1: FSDP only).
         process_group_backend: backend of the training process group (default: nccl on
             GPUs, gloo on CPUs). Checkpoint traffic always uses its own gloo group.
-        timeout: timeout of the training process group.
+        timeout: timeout of the training process group (a ``timedelta`` or seconds, at most a
+            year).
         checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load (a
             ``timedelta`` or seconds; default 10 minutes).
         verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
@@ -86,7 +87,7 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         *,
         checkpoint_timeout: timedelta | float | None = None,
         verify: str = "full",
@@ -95,8 +96,9 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         trusted: bool = False,
     ) -> None:
         if data_parallel_size != "auto":
-            check_count(data_parallel_size, "data_parallel_size")
-        check_count(tensor_parallel_size, "tensor_parallel_size")
+            data_parallel_size = check_count(data_parallel_size, "data_parallel_size")
+        tensor_parallel_size = check_count(tensor_parallel_size, "tensor_parallel_size")
+        timeout = None if timeout is None else check_duration(timeout, "timeout")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,

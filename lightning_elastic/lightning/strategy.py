@@ -41,6 +41,7 @@ from lightning_elastic.core.options import (
     check_bool,
     check_choice,
     check_count,
+    check_duration,
     check_seconds,
     one_timeout,
 )
@@ -79,7 +80,7 @@ class ElasticCheckpointing:
     ) -> None:
         """Check and keep the checkpoint options every strategy of ours takes."""
         if global_batch_size is not None:
-            check_count(global_batch_size, "global_batch_size")
+            global_batch_size = check_count(global_batch_size, "global_batch_size")
         check_choice(verify, "verify", VERIFY_MODES)
         check_bool(trusted, "trusted")
         if checkpoint_timeout is not None:
@@ -257,7 +258,8 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
         precision_plugin: the precision plugin (default: from the Trainer).
         process_group_backend: backend of the training process group (default: nccl on
             GPUs, gloo on CPUs). Checkpoint traffic always uses its own gloo group.
-        timeout: timeout of the training process group.
+        timeout: timeout of the training process group (a ``timedelta`` or seconds, at most a
+            year).
         start_method: how Lightning starts the processes (``"popen"``, ``"spawn"``, ...).
         find_unused_parameters: forwarded to ``DistributedDataParallel``.
         static_graph: forwarded to ``DistributedDataParallel``.
@@ -287,7 +289,7 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: str = "popen",
         *,
         find_unused_parameters: bool = False,
@@ -308,6 +310,7 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
             ("shard_optimizer_state", shard_optimizer_state),
         ):
             check_bool(flag, name)
+        timeout = None if timeout is None else check_duration(timeout, "timeout")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

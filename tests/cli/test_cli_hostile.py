@@ -158,7 +158,7 @@ def test_prune_summary_counts_what_it_did(root, capsys) -> None:
 
 
 def test_prune_reports_a_failed_deletion(root, capsys, monkeypatch) -> None:
-    def refuse(*_: object) -> None:
+    def refuse(*_: object, **__: object) -> None:
         raise StoragePermissionError("delete", "x", "permission denied")
 
     monkeypatch.setattr(cli, "delete_checkpoint", refuse)
@@ -227,12 +227,15 @@ def test_bad_arguments_give_one_line_and_exit_2(root, capsys, argv) -> None:
     ("flag", "value"),
     [
         ("--keep-last", "1" + "0" * 400),
+        ("--keep-last", "1e3"),  # not a whole number: said with the range, as 0 is
+        ("--keep-every-n-steps", "2.0"),
         ("--keep-every-n-steps", str(2**62 + 1)),
         ("--leftover-grace", "nan"),
         ("--leftover-grace", "inf"),
         ("--leftover-grace", "1e400"),
         ("--leftover-grace", "-1"),
         ("--leftover-grace", str(10**400)),
+        ("--leftover-grace", "soon"),
     ],
 )
 def test_numeric_flags_refuse_values_they_cannot_represent(root, capsys, flag, value) -> None:

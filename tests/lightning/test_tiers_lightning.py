@@ -66,7 +66,7 @@ def test_a_world_size_change_resumes_from_a_checkpoint_only_the_local_tier_holds
     ("kwargs", "match"),
     [
         ({"replicas": 1}, "need local_dirpath"),
-        ({"local_dirpath": "/tmp/x", "replicas": -1}, "replicas must be an integer >= 0"),
+        ({"local_dirpath": "/tmp/x", "replicas": -1}, r"replicas must be an integer in \[0, "),
         ({"local_dirpath": "/tmp/x", "persist_every_n_saves": 0}, "persist_every_n_saves"),
         ({"local_dirpath": "/tmp/x", "local_keep": 1.5}, "local_keep"),
         ({"local_dirpath": "/tmp/x", "node": "a/b"}, "node must be"),

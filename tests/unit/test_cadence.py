@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 
+from lightning_elastic.core.options import MAX_SECONDS
 from lightning_elastic.core.policy.cadence import (
     AutoCadence,
     Cadence,
@@ -148,3 +149,23 @@ def test_train_time_interval_options_are_checked_together() -> None:
         Cadence.of("auto", max_overhead=1.5)
     with pytest.raises(ConfigError, match='"auto" or "continuous"'):
         Cadence.of("hourly")
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"), [("30m", 1800.0), ("600", 600.0), ("1e3", 1000.0), (" 2h ", 7200.0)]
+)
+def test_train_time_interval_is_read_as_mtbf_and_min_interval_are(
+    given: str, seconds: float
+) -> None:
+    """A string such as "30m" is a duration here too (YAML hands "1e3" over as a string);
+    it used to be refused although mtbf="4h" and min_interval="5m" were accepted."""
+    interval = Cadence.of(given).interval
+    assert interval is not None and interval.seconds == seconds
+
+
+def test_a_max_overhead_near_zero_waits_at_most_a_year() -> None:
+    """5e-324 is a fraction in (0, 1): the overhead bound cost / max_overhead was infinite
+    (a cadence of inf seconds, written to the run history as Infinity)."""
+    cadence = AutoCadence(mtbf_s=None, nodes=1, max_overhead=5e-324)
+    choice = cadence.observe(blocked_s=0.5, slowdown_s=0.0, write_s=1.0)
+    assert choice.interval_s == MAX_SECONDS and choice.bound == "overhead"

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from collections.abc import Callable
 from datetime import timedelta
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from jsonargparse import ArgumentParser
 
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine
@@ -143,6 +147,8 @@ NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
     "replicas": lambda v, _: DistributedCheckpoint(**_tiers(replicas=v)),
     "local_keep": lambda v, _: DistributedCheckpoint(**_tiers(local_keep=v)),
     "checkpoint_timeout": lambda v, _: ElasticStrategy(checkpoint_timeout=v),
+    "strategy timeout": lambda v, _: ElasticStrategy(timeout=v),
+    "fsdp timeout": lambda v, _: ElasticFSDPStrategy(timeout=v),
     "global_batch_size": lambda v, _: ElasticStrategy(global_batch_size=v),
     "tensor_parallel_size": lambda v, _: ElasticFSDPStrategy(tensor_parallel_size=v),
     "data_parallel_size": lambda v, _: ElasticFSDPStrategy(data_parallel_size=v),
@@ -176,6 +182,8 @@ NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
 # in the message: what each option is called there
 _CALLED = {
     "engine timeout": "timeout",
+    "strategy timeout": "timeout",
+    "fsdp timeout": "timeout",
     "engine replicas": "replicas",
     "KeepLastN": "keep_last_n",
     "KeepEveryNSteps": "keep_every_n_steps",
@@ -243,6 +251,105 @@ def test_numbers_at_the_edges_of_their_ranges() -> None:
     # a node's MTBF may exceed a year (the job's is over the nodes): up to a century
     assert AutoCadence(mtbf_s="5000d", nodes=1).mtbf_s == 5000 * 86400.0
     assert DistributedCheckpoint(timeout=timedelta(days=365)).timeout == timedelta(days=365)
+
+
+def test_numbers_of_any_numeric_type_are_kept_as_plain_ints_and_floats() -> None:
+    """Numpy scalars, Fraction and Decimal are numbers like any other (a Decimal used to be
+    refused as not "a fraction in (0, 1)", a message that made 0.5 look out of range), and
+    what an option keeps is a plain int or float: a Decimal kept by RetryPolicy would not
+    add to a float, and a numpy int kept by the sampler went into the data position."""
+    policy = RetryPolicy(
+        deadline_s=Decimal("2.5"),
+        max_attempts=np.int64(3),
+        initial_backoff_s=Fraction(1, 20),
+        max_backoff_s=np.float32(0.5),
+        multiplier=Decimal(2),
+    )
+    kept = (
+        policy.deadline_s,
+        policy.max_attempts,
+        policy.initial_backoff_s,
+        policy.max_backoff_s,
+        policy.multiplier,
+    )
+    assert kept == (2.5, 3, 0.05, 0.5, 2.0)
+    assert [type(v) for v in kept] == [float, int, float, float, float]
+    for policy_n in (KeepLastN(np.int64(2)).n, KeepEveryNSteps(np.int64(2)).n):
+        assert type(policy_n) is int
+    assert type(KeepBestK(np.int64(2), "loss").k) is int
+    assert type(EveryNSteps(np.int64(5)).n) is int and type(EveryNEpochs(np.uint8(5)).n) is int
+    sampler = ElasticSampler(range(8), num_replicas=np.int64(2), rank=np.int64(1))
+    position = sampler.position(1)
+    assert type(position.world_size) is int and type(position.consumed) is int
+    assert type(ElasticStrategy(global_batch_size=np.int64(8)).global_batch_size) is int
+    auto = DistributedCheckpoint(train_time_interval="auto", max_overhead=Decimal("0.05"))
+    assert auto._schedule.cadence.auto == {"mtbf_s": None, "max_overhead": 0.05}
+    assert check_seconds(Decimal("1.5"), "t") == 1.5
+    for refused in (Decimal("NaN"), Decimal("sNaN"), Decimal("1e400"), Decimal("-1")):
+        with pytest.raises(ConfigError, match=r"t must be a duration .* got Decimal"):
+            check_seconds(refused, "t")
+    with pytest.raises(ConfigError, match=r"n must be an integer in \[1, 2\*\*62\], got Decimal"):
+        check_count(Decimal(3), "n")  # as 3.0 is: a count is an int
+
+
+def test_negative_zero_is_kept_as_zero() -> None:
+    for seconds in (
+        check_seconds(-0.0, "t", zero=True),
+        check_seconds(Decimal("-0"), "t", zero=True),
+    ):
+        assert seconds == 0.0 and math.copysign(1.0, seconds) == 1.0
+    with pytest.raises(ConfigError, match=r"t must be a duration .* got -0.0"):
+        check_seconds(-0.0, "t")  # no zero allowed: -0.0 is none either
+
+
+def test_the_process_group_timeout_is_a_duration_like_the_others() -> None:
+    """It went to Lightning unchecked: True, "10", 10**400 or a timedelta of a million days
+    were accepted and failed (or overflowed) only when the process group was created."""
+    # Lightning's DDPStrategy and ModelParallelStrategy keep it as _timeout
+    assert ElasticStrategy(timeout=600)._timeout == timedelta(minutes=10)
+    assert ElasticFSDPStrategy(timeout=timedelta(hours=1))._timeout == timedelta(hours=1)
+    assert ElasticStrategy(timeout=None)._timeout is None
+    with pytest.raises(ConfigError, match=r"timeout must be a duration .* \(at most a year\)"):
+        ElasticStrategy(timeout=timedelta(days=10**6))
+
+
+def test_yaml_values_reach_the_options_as_lightning_cli_hands_them_over() -> None:
+    """LightningCLI parses the config with jsonargparse: quoted numbers, YAML 1.1's "1e3" (a
+    string there) and durations like "30m" must mean what they say, and an absurd value must
+    still be refused by the option, naming it and its range."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(DistributedCheckpoint, "checkpoint")
+    parser.add_class_arguments(ElasticStrategy, "strategy")
+    config = parser.parse_string(
+        """
+checkpoint:
+  keep_last_n: "10"
+  every_n_train_steps: 1_000
+  train_time_interval: 30m
+  timeout: 1e3
+strategy:
+  timeout: 600
+  checkpoint_timeout: "1e3"
+  global_batch_size: "64"
+"""
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # < 4.49
+    init = instantiate(config)
+    callback, strategy = init.checkpoint, init.strategy
+    assert callback._retention == [KeepLastN(10)]
+    assert callback._schedule.step_trigger == EveryNSteps(1000)
+    assert callback._schedule.cadence.interval.seconds == 1800.0
+    assert callback.timeout == timedelta(seconds=1000)
+    assert strategy._timeout == timedelta(minutes=10)
+    assert strategy.global_batch_size == 64
+    for option, value in (
+        ("keep_last_n", "0"),
+        ("timeout", "1e400"),
+        ("train_time_interval", "400d"),
+    ):
+        bad = parser.parse_string(f"checkpoint:\n  {option}: {value}\n")
+        with pytest.raises(ConfigError, match=rf"{option} must be .* (in|>=) "):
+            instantiate(bad)
 
 
 # ----------------------------------------------------------------------------- node ids

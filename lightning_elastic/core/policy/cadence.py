@@ -51,10 +51,13 @@ _UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_MTBF_S = 100 * 365 * 24 * 3600.0
 
 
-def parse_duration(value: object, what: str, *, maximum: float = MAX_SECONDS) -> float:
+def parse_duration(
+    value: object, what: str, *, maximum: float = MAX_SECONDS, modes: Sequence[str] = ()
+) -> float:
     """Seconds from a number, a ``timedelta`` or a string such as ``"4h"``, ``"90m"``,
-    ``"1.5d"``, ``"30s"``; :class:`ConfigError` when it is none of these or not in
-    :func:`~lightning_elastic.core.options.check_seconds`'s range (up to ``maximum``)."""
+    ``"1.5d"``, ``"30s"``, ``"600"``; :class:`ConfigError` when it is none of these or not in
+    :func:`~lightning_elastic.core.options.check_seconds`'s range (up to ``maximum``).
+    ``modes``: the other words the option takes (named in the message)."""
     given = value
     if isinstance(value, str):
         text = value.strip().lower()
@@ -66,9 +69,10 @@ def parse_duration(value: object, what: str, *, maximum: float = MAX_SECONDS) ->
         try:
             value = float(text) * scale
         except ValueError:
+            forms = ["a duration like '4h', '90m', '30s'", "a number of seconds"]
+            forms += [f'"{m}"' for m in modes]
             raise ConfigError(
-                f"{what} must be a duration like '4h', '90m', '30s' or a number of seconds, "
-                f"got {value!r}"
+                f"{what} must be {', '.join(forms[:-1])} or {forms[-1]}, got {value!r}"
             ) from None
     return check_seconds(value, what, maximum=maximum, given=given)
 
@@ -170,6 +174,9 @@ class AutoCadence:
         # the Young-Daly optimum unless a bound is larger: the largest candidate wins, and a
         # tie goes to young_daly (listed last, max keeps the first: reverse the order)
         bound, interval = max(reversed(candidates), key=lambda c: c[1])
+        # a max_overhead near 0 (5e-324 is a fraction in (0, 1)) makes the overhead bound
+        # infinite: no time trigger is meant to wait more than a year
+        interval = min(interval, MAX_SECONDS)
         self.choice = CadenceChoice(interval, cost, write, mtbf, bound)
         return self.choice
 
@@ -245,12 +252,9 @@ class Cadence:
         if value == "continuous":
             seconds = 60.0 if min_interval is None else parse_duration(min_interval, "min_interval")
             return cls(continuous=Continuous(seconds))
-        if isinstance(value, str):
-            raise ConfigError(
-                'train_time_interval must be a timedelta, a number of seconds, "auto" or '
-                f'"continuous", got {value!r}'
-            )
-        return cls(interval=EveryInterval(check_seconds(value, "train_time_interval")))
+        # "30m" as for mtbf and min_interval; "600" and "1e3" as YAML may hand them over
+        seconds = parse_duration(value, "train_time_interval", modes=("auto", "continuous"))
+        return cls(interval=EveryInterval(seconds))
 
     def build_auto(self, *, nodes: int, history_mtbf_s: float | None) -> AutoCadence | None:
         """The adaptive cadence for a job on ``nodes`` nodes (``None`` unless ``"auto"``)."""
