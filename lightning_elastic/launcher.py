@@ -5,11 +5,15 @@ With plain torchrun, draining a node (SIGTERM to its agent) makes every worker t
 agreed checkpoint and exit ``143``; the surviving agents see their workers *fail* and spend
 one of ``--max-restarts`` on the restart, so a job drained N times dies although nothing
 failed. This launcher is torchrun (same arguments, same elastic agent, same c10d rendezvous)
-with one difference: a worker group whose failed workers all left a planned-exit marker (see
+with one main difference: a worker group whose failed workers all left a planned-exit marker (see
 :mod:`lightning_elastic.core.elastic.planned_exit`; ``DistributedCheckpoint`` writes it right
 before exiting after the agreed checkpoint, with the exit code it is about to use) is restarted
 without counting a failure. Anything else (a crash, a SIGKILL, an exit code that does not match
-the marker) counts as before.
+the marker) counts as before. Two smaller ones: the workers learn their rendezvous round
+(``LIGHTNING_ELASTIC_WORKER_GENERATION``, under which our strategies keep their process group's
+keys in the agent's store), and a job that may run on several nodes gets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless it is set (torch's shared store ends the job
+at the first rejoin: see :func:`_store_environment`).
 
 With ``--warm-start`` the workers are forked from a server process that imported torch,
 Lightning and this package once (Python's ``forkserver``, started by the agent before its first
@@ -70,6 +74,7 @@ __all__ = [
     "AGENT_ENV",
     "PRELOAD",
     "PRELOAD_ENV",
+    "UNSHARED_STORE_ENV",
     "PlannedExitAgent",
     "WarmServer",
     "main",
@@ -84,6 +89,9 @@ PRELOAD_ENV = "LIGHTNING_ELASTIC_PRELOAD"
 AGENT_ENV = "LIGHTNING_ELASTIC_WARM_AGENT"
 #: what ``--warm-start`` imports once in the fork server (those installed)
 PRELOAD = ("torch", "lightning.pytorch", "lightning_elastic.lightning")
+#: torch's switch from one store for the rendezvous and every round's workers (its default) to
+#: a store of each worker group's own, hosted by its rank 0
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 class PlannedExitAgent(LocalElasticAgent):
@@ -289,6 +297,21 @@ def _warm_start(args: argparse.Namespace) -> tuple[WarmServer, dict[str, str]]:
     return WarmServer(modules), env
 
 
+def _store_environment(args: argparse.Namespace) -> dict[str, str]:
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for a job that may run on more than one node,
+    unless it is set already: with torch's shared store, a node that joins after the first
+    round waits for a master address nobody writes (pytorch/pytorch#135712), and the nodes
+    already running time out waiting for it (seen with torch 2.13: a drained or lost node came
+    back, and the whole job ended, every agent with ``DistStoreError: wait timeout``)."""
+    if UNSHARED_STORE_ENV in os.environ or args.standalone:
+        return {}
+    try:
+        most = int(str(args.nnodes).split(":")[-1])
+    except ValueError:
+        return {}  # torchrun refuses it
+    return {UNSHARED_STORE_ENV: "1"} if most > 1 else {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's command line ``argv`` with :class:`PlannedExitAgent`; the exit code is
     0, 1 when the job failed, 2 for a bad option (a one-line error)."""
@@ -299,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="lightning-elastic-exits-") as folder,
         _environ(**{PLANNED_EXIT_ENV: folder}),  # the workers inherit the agent's environment
+        _environ(**_store_environment(args)),
         contextlib.ExitStack() as stack,
     ):
         try:
