@@ -42,6 +42,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "UntrustedManifestError",
+    "WarmStartError",
     "WeightsMismatchError",
     "WorldSizeError",
 ]
@@ -184,6 +185,12 @@ class WeightsMismatchError(ElasticCheckpointError, RuntimeError):
 
 def _shape(shape: tuple[int, ...] | None) -> str:
     return "(not a tensor)" if shape is None else f"of shape {tuple(shape)}"
+
+
+class WarmStartError(ElasticCheckpointError, RuntimeError):
+    """``lightning-elastic run --warm-start``: the fork server died before it forked a worker
+    (a module it imports ended the interpreter, the OOM killer, a signal); the node gives up
+    before it joins the rendezvous, so the job's other nodes go on."""
 
 
 class ReplicaGroupError(ElasticCheckpointError, RuntimeError):

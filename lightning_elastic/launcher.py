@@ -5,11 +5,15 @@ With plain torchrun, draining a node (SIGTERM to its agent) makes every worker t
 agreed checkpoint and exit ``143``; the surviving agents see their workers *fail* and spend
 one of ``--max-restarts`` on the restart, so a job drained N times dies although nothing
 failed. This launcher is torchrun (same arguments, same elastic agent, same c10d rendezvous)
-with one difference: a worker group whose failed workers all left a planned-exit marker (see
+with one main difference: a worker group whose failed workers all left a planned-exit marker (see
 :mod:`lightning_elastic.core.elastic.planned_exit`; ``DistributedCheckpoint`` writes it right
 before exiting after the agreed checkpoint, with the exit code it is about to use) is restarted
 without counting a failure. Anything else (a crash, a SIGKILL, an exit code that does not match
-the marker) counts as before.
+the marker) counts as before. Two smaller ones: the workers learn their rendezvous round
+(``LIGHTNING_ELASTIC_WORKER_GENERATION``, under which our strategies keep their process group's
+keys in the agent's store), and a job that may run on several nodes gets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless it is set (torch's shared store ends the job
+at the first rejoin: see :func:`_store_environment`).
 
 With ``--warm-start`` the workers are forked from a server process that imported torch,
 Lightning and this package once (Python's ``forkserver``, started by the agent before its first
@@ -65,11 +69,13 @@ from lightning_elastic.core.elastic.planned_exit import (
     WORKER_GENERATION_ENV,
     read_planned_exit,
 )
+from lightning_elastic.errors import WarmStartError
 
 __all__ = [
     "AGENT_ENV",
     "PRELOAD",
     "PRELOAD_ENV",
+    "UNSHARED_STORE_ENV",
     "PlannedExitAgent",
     "WarmServer",
     "main",
@@ -84,6 +90,9 @@ PRELOAD_ENV = "LIGHTNING_ELASTIC_PRELOAD"
 AGENT_ENV = "LIGHTNING_ELASTIC_WARM_AGENT"
 #: what ``--warm-start`` imports once in the fork server (those installed)
 PRELOAD = ("torch", "lightning.pytorch", "lightning_elastic.lightning")
+#: torch's switch from one store for the rendezvous and every round's workers (its default) to
+#: a store of each worker group's own, hosted by its rank 0
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 class PlannedExitAgent(LocalElasticAgent):
@@ -209,8 +218,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class WarmServer:
-    """The fork server of a warm start: started before the agent's first rendezvous, importing
-    ``modules``; :meth:`wait` lets the agent join only once they are imported."""
+    """The fork server of a warm start: started before the agent, importing ``modules``;
+    :meth:`wait` returns once they are imported (the agent starts, and joins, only then)."""
 
     def __init__(self, modules: Sequence[str]) -> None:
         self.modules = list(modules)
@@ -229,7 +238,11 @@ class WarmServer:
 
     def wait(self) -> float:
         """Block until the server has imported its modules (it forks only then: a no-op child,
-        forked and reaped); the seconds waited, 0 once it was ready."""
+        forked and reaped); the seconds waited, 0 once it was ready.
+
+        Raises:
+            WarmStartError: the server died first (its own output, above, may say why).
+        """
         if self._ready:
             return 0.0
         began = time.monotonic()
@@ -239,8 +252,14 @@ class WarmServer:
             )
             probe.start()
             probe.join()
-        except Exception as exc:  # the workers' start meets it again, and reports it there
-            log.warning("warm start: the fork server did not answer (%r)", exc)
+        except Exception as exc:
+            how = _server_status() or f" ({exc!r})"
+            raise WarmStartError(
+                f"--warm-start: the fork server died while importing {', '.join(self.modules)}"
+                f"{how}. A module that ends the interpreter when imported (os._exit, a crash in "
+                "an extension) cannot be preloaded: leave it out of --preload, or run without "
+                "--warm-start to see the workers fail on it"
+            ) from exc
         self._ready = True
         now = time.monotonic()
         log.info(
@@ -253,17 +272,27 @@ class WarmServer:
         return now - began
 
 
-def _warm_agent(server: WarmServer) -> type[PlannedExitAgent]:
-    """:class:`PlannedExitAgent` that joins each rendezvous only once ``server`` is ready: a
-    joining node stops the running group only when its workers can start at once (its
-    imports then overlap the group's training instead of holding the new group back)."""
-
-    class WarmStartAgent(PlannedExitAgent):
-        def _rendezvous(self, worker_group: Any) -> None:
-            server.wait()
-            super()._rendezvous(worker_group)
-
-    return WarmStartAgent
+def _server_status() -> str:
+    """How the fork server this process started ended (``": exit code 3"``, ``": killed by
+    SIGSEGV"``), or ``""`` when that cannot be told (multiprocessing keeps its pid privately:
+    ``ForkServer._forkserver_pid``, Python 3.9 - 3.13)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if not isinstance(pid, int):
+        return ""
+    for _ in range(50):  # its socket closes a moment before it can be reaped
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return ""
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        return ""
+    if os.WIFSIGNALED(status):
+        return f": killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f": exit code {os.waitstatus_to_exitcode(status)}"
 
 
 def _warm_start(args: argparse.Namespace) -> tuple[WarmServer, dict[str, str]]:
@@ -289,6 +318,21 @@ def _warm_start(args: argparse.Namespace) -> tuple[WarmServer, dict[str, str]]:
     return WarmServer(modules), env
 
 
+def _store_environment(args: argparse.Namespace) -> dict[str, str]:
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for a job that may run on more than one node,
+    unless it is set already: with torch's shared store, a node that joins after the first
+    round waits for a master address nobody writes (pytorch/pytorch#135712), and the nodes
+    already running time out waiting for it (seen with torch 2.13: a drained or lost node came
+    back, and the whole job ended, every agent with ``DistStoreError: wait timeout``)."""
+    if UNSHARED_STORE_ENV in os.environ or args.standalone:
+        return {}
+    try:
+        most = int(str(args.nnodes).split(":")[-1])
+    except ValueError:
+        return {}  # torchrun refuses it
+    return {UNSHARED_STORE_ENV: "1"} if most > 1 else {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's command line ``argv`` with :class:`PlannedExitAgent`; the exit code is
     0, 1 when the job failed, 2 for a bad option (a one-line error)."""
@@ -299,20 +343,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="lightning-elastic-exits-") as folder,
         _environ(**{PLANNED_EXIT_ENV: folder}),  # the workers inherit the agent's environment
+        _environ(**_store_environment(args)),
         contextlib.ExitStack() as stack,
     ):
         try:
-            agent: type[PlannedExitAgent] = PlannedExitAgent
             runner: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if args.warm_start or args.preload:
                 server, env = _warm_start(args)
                 stack.enter_context(_environ(**env))  # after PLANNED_EXIT_ENV: passed on too
                 server.start()
-                agent, runner = _warm_agent(server), torchrun_script_runner(run_script)
-            with elastic_agent_class(agent), runner:
+                # the agent joins its first rendezvous only once the server has imported its
+                # modules: a joining node stops the running group only when its workers can
+                # start at once (its imports overlap the group's training instead of holding
+                # the new group back); and a server that died fails this node before it has
+                # touched the rendezvous (an agent that fails closes it for every node)
+                server.wait()
+                runner = torchrun_script_runner(run_script)
+            with elastic_agent_class(PlannedExitAgent), runner:
                 run(args)
         except ChildFailedError as exc:
             print(f"error: the job failed:\n{exc}", file=sys.stderr)
+            return 1
+        except WarmStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 1
         except ValueError as exc:  # a bad rendezvous option (found when the agent starts) or ours
             print(f"error: {exc}", file=sys.stderr)

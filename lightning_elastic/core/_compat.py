@@ -64,8 +64,6 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "torch.distributed.elastic.agent.server.local_elastic_agent",
         "LocalElasticAgent._monitor_workers",
     ),
-    # ... and, under a warm start, its _rendezvous (the agent joins once its server is ready)
-    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous"),
     # ... and its _start_workers, around which the launcher tells the workers the rendezvous
     # round (DynamicRendezvousHandler._state_holder.state.round, an instance attribute): the
     # agent's store outlives the workers, and a process group initialized in a new round

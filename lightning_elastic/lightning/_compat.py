@@ -122,6 +122,10 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "lightning.pytorch.trainer.connectors.accelerator_connector",
         "_AcceleratorConnector.is_distributed",
     ),
+    # where ModelParallelStrategy initializes the default process group (DDPStrategy does it in
+    # the public setup_distributed): ElasticFSDPStrategy overrides it to initialize the group on
+    # torchrun's agent store under the round's prefix first (strategy.py attempt_store)
+    ("lightning.pytorch.strategies.model_parallel", "ModelParallelStrategy._setup_distributed"),
 )
 
 

@@ -135,6 +135,13 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
             )
         super().setup_environment()
 
+    def _setup_distributed(self) -> None:
+        """Lightning's process group set-up (``ModelParallelStrategy``'s, not the public
+        ``setup_distributed`` DDP has), on torchrun's agent store under the round's prefix
+        (:func:`~lightning_elastic.lightning.strategy.attempt_store`)."""
+        self._init_on_attempt_store()
+        super()._setup_distributed()
+
     # ------------------------------------------------------------------ saving
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -125,23 +125,30 @@ class ElasticCheckpointing:
     # ------------------------------------------------------------------ setup and data
 
     def setup_distributed(self) -> None:
-        """Lightning's process group set-up, with the group's store keys under a prefix of this
-        worker group's attempt when torchrun's agent hosts the store: the agent keeps its store
-        across restarts, and a restarted rank read the address a dead rank of the previous
-        attempt had left there (gloo: ``connectFullMesh failed ... Connection refused``, seen
-        when rank 0 of the new attempt started a few seconds after rank 1)."""
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
-            self.set_world_ranks()  # type: ignore[attr-defined]
-            device = self.root_device  # type: ignore[attr-defined]
-            dist.init_process_group(
-                self._get_process_group_backend(),  # type: ignore[attr-defined]
-                rank=self.global_rank,  # type: ignore[attr-defined]
-                world_size=self.world_size,  # type: ignore[attr-defined]
-                timeout=getattr(self, "_timeout", None) or default_pg_timeout,
-                store=attempt_store(),
-                device_id=device if device.type != "cpu" else None,
-            )
+        """Lightning's process group set-up (``DDPStrategy``), on :func:`attempt_store`."""
+        self._init_on_attempt_store()
         super().setup_distributed()  # type: ignore[misc]
+
+    def _init_on_attempt_store(self) -> None:
+        """Initialize the default process group as Lightning would, with the group's store keys
+        under a prefix of this worker group's round when torchrun's agent hosts the store: the
+        agent keeps its store across restarts, and a restarted rank read the address a dead
+        rank of the previous round had left there (gloo: ``connectFullMesh failed ...
+        Connection refused``, seen when rank 0 of the new round started a few seconds after
+        rank 1). Lightning's own set-up then finds the group initialized and keeps it. Every
+        strategy of ours calls this where its Lightning base initializes the group."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+            return
+        self.set_world_ranks()  # type: ignore[attr-defined]
+        device = self.root_device  # type: ignore[attr-defined]
+        dist.init_process_group(
+            self._get_process_group_backend(),  # type: ignore[attr-defined]
+            rank=self.global_rank,  # type: ignore[attr-defined]
+            world_size=self.world_size,  # type: ignore[attr-defined]
+            timeout=getattr(self, "_timeout", None) or default_pg_timeout,
+            store=attempt_store(),
+            device_id=device if device.type != "cpu" else None,
+        )
 
     def setup(self, trainer: Any) -> None:
         """Set the strategy up, with our session knowing the global batch size."""
@@ -367,13 +374,24 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
 
 
 def attempt_store() -> Any:
-    """A client of torchrun's agent store whose keys live under this attempt's prefix
-    (``TORCHELASTIC_RESTART_COUNT``, and the launcher's worker generation when
-    ``lightning-elastic run`` started the workers)."""
+    """A client of torchrun's agent store whose keys live under a prefix of this worker group:
+    its rendezvous round when ``lightning-elastic run`` started the workers (the same on every
+    node, new at every restart), else torchrun's ``TORCHELASTIC_RESTART_COUNT``.
+
+    Not the restart count when the round is known: it is each agent's own count, so the nodes
+    of one round may disagree (a node that restarted after its worker failed counts one more
+    than the node whose agent restarted because that node was waiting to join), and a group
+    whose ranks look under different prefixes never forms (its ranks wait for each other until
+    the process group's timeout). Plain torchrun gives the workers nothing better; there, set
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for a job whose nodes may leave and join (rank 0's
+    worker then hosts a store of the group's own, and this one is not used)."""
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    generation = os.environ.get(WORKER_GENERATION_ENV, "0")
+    generation = os.environ.get(WORKER_GENERATION_ENV)
+    if generation is not None:
+        prefix = f"round_{generation}"
+    else:
+        prefix = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     client = TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -381,7 +399,7 @@ def attempt_store() -> Any:
         is_master=False,
         timeout=default_pg_timeout,
     )
-    return PrefixStore(f"lightning_elastic/attempt_{attempt}.{generation}/", client)
+    return PrefixStore(f"lightning_elastic/{prefix}", client)  # joined with "/"
 
 
 def _torchrun(name: str) -> int | None:

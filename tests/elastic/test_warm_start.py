@@ -122,36 +122,79 @@ print(json.dumps({"waited": waited, "imported": imported, "again": server.wait()
 """
 
 
+def env_with(folder: Path) -> dict[str, str]:
+    """This environment with ``folder`` (modules for the server) first on ``PYTHONPATH``."""
+    path = [str(folder), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def test_the_server_is_ready_only_once_it_has_imported_its_modules(tmp_path) -> None:
     """What the agent waits for before joining its first rendezvous: a joining node then stops
     the running group only when its workers can start at once."""
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(1.5)\nopen('imported', 'w')\n")
-    path = [str(tmp_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(
-        [sys.executable, "-c", SERVER], capture_output=True, text=True, cwd=tmp_path, env=env
+        [sys.executable, "-c", SERVER],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env_with(tmp_path),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["imported"] and result["waited"] >= 1.0 and result["again"] == 0.0
 
 
-def test_a_warm_agent_joins_a_rendezvous_only_once_its_server_is_ready(monkeypatch) -> None:
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
+@pytest.mark.parametrize("server_dies", [False, True])
+def test_a_warm_agent_starts_only_once_its_server_is_ready(
+    monkeypatch, capsys, server_dies
+) -> None:
+    """The agent (and with it the rendezvous) starts after the server's imports; a server that
+    died fails the node with one line before it has joined (an agent that fails closes the
+    rendezvous for every node of the job)."""
     from lightning_elastic import launcher
+    from lightning_elastic.errors import WarmStartError
 
     calls = []
 
-    class Server:
-        def wait(self) -> float:
-            calls.append("server ready")
-            return 0.0
+    def wait(_: object) -> None:
+        calls.append("server ready")
+        if server_dies:
+            raise WarmStartError("--warm-start: the fork server died while importing x")
 
-    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", lambda *_: calls.append("rendezvous"))
-    agent = object.__new__(launcher._warm_agent(Server()))  # type: ignore[arg-type]
-    agent._rendezvous(None)
-    assert calls == ["server ready", "rendezvous"]
+    parser, config = launcher.torchrun_entry()[:2]
+    monkeypatch.setattr(launcher.WarmServer, "start", lambda _: calls.append("server started"))
+    monkeypatch.setattr(launcher.WarmServer, "wait", wait)
+    monkeypatch.setattr(
+        launcher, "torchrun_entry", lambda: (parser, config, lambda _: calls.append("agent"))
+    )
+    assert launch(["--warm-start", "--standalone", "train.py"]) == (1 if server_dies else 0)
+    if server_dies:
+        assert calls == ["server started", "server ready"]
+        assert capsys.readouterr().err == (
+            "error: --warm-start: the fork server died while importing x\n"
+        )
+    else:
+        assert calls == ["server started", "server ready", "agent"]
+
+
+def test_a_server_that_dies_while_importing_says_how_it_ended(tmp_path) -> None:
+    """It failed later, in the agent, with multiprocessing's ``EOFError: unexpected EOF``."""
+    (tmp_path / "exits.py").write_text("import os\nos._exit(3)\n")
+    script = SERVER.replace("slowmod", "exits").replace(
+        "waited = server.wait()", "waited = server.wait()  # raises"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env_with(tmp_path),
+    )
+    assert done.returncode == 1
+    assert (
+        "WarmStartError: --warm-start: the fork server died while importing exits: exit "
+        "code 3." in done.stderr
+    ), done.stderr[-3000:]
 
 
 def test_a_failing_worker_fails_the_job_with_its_exit_code(tmp_path) -> None:

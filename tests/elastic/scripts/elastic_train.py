@@ -53,6 +53,8 @@ def main() -> None:
             "warm": WARM,
             # a session (and process group) of its own, as torchrun starts its workers
             "session": os.getsid(0) == os.getpgid(0) == os.getpid(),
+            # "False": the group's store is its rank 0's, not torch's shared agent store
+            "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
         },
     )
     pl.seed_everything(7, verbose=False)

@@ -1,12 +1,15 @@
-"""A torchrun worker for the stale-store test: the default process group is initialized the
-way our strategies initialize it (``attempt_store``), rank 0 of the second attempt starts
-late, and the first attempt's rank 0 dies after a collective (its address stays in the
-agent's store)."""
+"""A torchrun worker for the agent-store test, one per node on two nodes sharing torch's agent
+store: in round 0, rank 1 fails once it is in the group and rank 0 waits without a collective,
+so its agent restarts it because the other node waits for the next round (a restart its agent
+does not count; the other agent counts one); in round 1, rank 0 starts late, after rank 1 has
+looked for its address. The group is initialized as our strategies initialize it
+(``attempt_store``), or with torch's own keys (``plain``: gloo's ``connectFullMesh ...
+Connection refused``, rank 1 read the address rank 0 of round 0 had left)."""
 
 import os
-import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -16,15 +19,24 @@ import torch.distributed as dist
 
 from lightning_elastic.lightning.strategy import attempt_store
 
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-rank = int(os.environ["RANK"])
-if rank == 0 and attempt == 1:
-    time.sleep(6)  # rank 1 of the new attempt looks for rank 0's address first
-store = attempt_store() if sys.argv[1] == "prefixed" else None
-dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+marker = Path(f"rank{rank}.started")  # in the test's folder: a rank's first round
+first = not marker.exists()
+marker.touch()
+if rank == 0 and not first:
+    time.sleep(6)
+store = None
+if sys.argv[1] == "prefixed":
+    store = attempt_store()
+    store.set_timeout(timedelta(seconds=30))  # a group that never forms fails in the test's time
+timeout = timedelta(seconds=30)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+if first and rank == 1:
+    sys.exit(1)
+if first:
+    time.sleep(120)
 tensor = torch.ones(1)
 dist.all_reduce(tensor)
-print(f"attempt {attempt} rank {rank} sum {tensor.item():.0f}", flush=True)
-if attempt == 0:
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)
+restarts = os.environ["TORCHELASTIC_RESTART_COUNT"]
+shared = os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+print(f"rank {rank} restarts {restarts} agent store {shared} sum {tensor.item():.0f}", flush=True)
