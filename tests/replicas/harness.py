@@ -185,3 +185,22 @@ def check_exactly_once(records: list[dict[str, Any]], samples: int, epochs: Iter
         twice = sorted(i for i, n in counts.items() if n > 1)
         never = sorted(set(range(samples)) - set(counts))
         assert not twice and not never, f"epoch {epoch}: twice {twice}, never {never}"
+
+
+@contextlib.contextmanager
+def solo_group(monkeypatch: pytest.MonkeyPatch, name: str = "solo") -> Iterator[Lighthouse]:
+    """One replica group in this process (a Lighthouse of its own): a fit inside the block
+    runs under strategy="elastic_ft"; its process group is destroyed after, since later tests
+    of this pytest process expect none."""
+    import torch.distributed as dist
+
+    lighthouse = Lighthouse()
+    monkeypatch.setenv("LIGHTNING_ELASTIC_LIGHTHOUSE", lighthouse.address)
+    monkeypatch.setenv("LIGHTNING_ELASTIC_REPLICA_GROUP", name)
+    monkeypatch.setenv("RUST_LOG", "warn")
+    try:
+        yield lighthouse
+    finally:
+        lighthouse.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
