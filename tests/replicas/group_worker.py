@@ -10,7 +10,8 @@ the groups are in step) and the group's failed step attempts so far. Environment
 * ``SAMPLES``, ``BATCH``, ``EPOCHS``, ``STEP_SLEEP``: the workload;
 * ``CKPT``: a ``DistributedCheckpoint`` directory (saves every ``CKPT_EVERY`` steps);
 * ``DIE_AT_STEP``: SIGKILL this process inside that step's training_step (before its commit);
-* ``ACCUMULATE``: ``accumulate_grad_batches``.
+* ``ACCUMULATE``: ``accumulate_grad_batches``;
+* ``HEAL_FAILS``: the first N fetches of a peer's live state fail (the peer went away).
 """
 
 from __future__ import annotations
@@ -99,8 +100,24 @@ class Regression(pl.LightningModule):
         return DataLoader(Numbered(), batch_size=BATCH, shuffle=True)
 
 
+def _failing_heals(count: int) -> None:
+    from lightning_elastic.core.replicas.transport import LiveStateTransport
+
+    receive = LiveStateTransport.recv_checkpoint
+    left = [count]
+
+    def recv_checkpoint(self: LiveStateTransport, *args: object, **kwargs: object) -> object:
+        if left[0] > 0:
+            left[0] -= 1
+            raise ConnectionError("injected: the peer serving the live state went away")
+        return receive(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    LiveStateTransport.recv_checkpoint = recv_checkpoint  # type: ignore[method-assign]
+
+
 def main() -> None:
     pl.seed_everything(0)
+    _failing_heals(int(os.environ.get("HEAL_FAILS", "0")))
     callbacks = []
     if os.environ.get("CKPT"):
         callbacks.append(

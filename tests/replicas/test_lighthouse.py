@@ -4,6 +4,7 @@ with the options that matter, refused with a clear error on bad ones, stopped cl
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,3 +69,49 @@ def test_the_verb_serves_in_the_foreground_and_stops_cleanly_on_a_signal(signum:
     out, _ = process.communicate(timeout=30)
     assert process.returncode == 0, out
     assert "lighthouse: stopped" in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wrong", ["refused", "not-a-lighthouse", "unknown-host"])
+def test_a_wrong_lighthouse_address_fails_clearly_within_the_connect_timeout(
+    wrong: str,
+) -> None:
+    """Nothing listening, another HTTP server, a host that does not resolve: a
+    ReplicaGroupError naming the address and the option within the connect timeout (torchft's
+    Manager alone waited the whole quorum timeout, 300 s by default, for the second)."""
+    import http.server
+    import threading
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from lightning_elastic.core.replicas.group import ReplicaGroup, ReplicaOptions
+    from lightning_elastic.errors import ReplicaGroupError
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    address = {
+        "refused": f"http://127.0.0.1:{free}",
+        "not-a-lighthouse": f"http://127.0.0.1:{other.server_address[1]}",
+        "unknown-host": "http://no-such-lighthouse.invalid:29510",
+    }[wrong]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    began = time.monotonic()
+    try:
+        with pytest.raises(ReplicaGroupError, match="no Lighthouse answered at") as caught:
+            ReplicaGroup(
+                ReplicaOptions(lighthouse=address, name="g", connect_timeout=3),
+                get_state=dict,
+                put_state=lambda state: None,
+                group_rank=0,
+                group_size=1,
+                store_addr="127.0.0.1",
+                store_port=int(store.port),
+            )
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert time.monotonic() - began < 3 + 5
+    assert address in str(caught.value) and "LIGHTNING_ELASTIC_LIGHTHOUSE" in str(caught.value)

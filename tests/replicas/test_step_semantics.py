@@ -146,3 +146,50 @@ def test_a_redone_step_is_bitwise_the_step_without_a_failure(
     assert faulty.steps == clean.steps
     trained = sorted(i for s in first_epoch for i in s["samples"])
     assert trained == list(range(40))  # the first epoch: every sample once
+
+
+class WithUnused(pl.LightningModule):
+    """A head the loss never reaches (a second task's, a frozen-by-routing branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(6, 1)
+        self.unused = torch.nn.Linear(6, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _, x = batch
+        return self.net(x).square().mean()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        assert self.unused.weight.grad is None  # clipping, optimizers and hooks see it unused
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.5)
+
+    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        return DataLoader(Numbered(), batch_size=8, shuffle=True)
+
+
+def test_a_parameter_no_backward_reached_stays_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on one device and under DDP, a parameter without a gradient anywhere keeps
+    ``grad=None``, so AdamW's weight decay and moments leave it alone (a zero gradient
+    decayed it by lr * weight_decay each step)."""
+    from lightning_elastic import ElasticFTStrategy
+    from tests.replicas.harness import solo_group
+
+    model = WithUnused()
+    before = model.unused.weight.detach().clone()
+    with solo_group(monkeypatch):
+        pl.Trainer(
+            strategy=ElasticFTStrategy(step_timeout=5, quorum_timeout=30),
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            gradient_clip_val=1.0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(model)
+    assert torch.equal(model.unused.weight, before)
+    assert model.unused.weight not in model.trainer.optimizers[0].state
