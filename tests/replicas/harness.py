@@ -194,13 +194,15 @@ def check_exactly_once(records: list[dict[str, Any]], samples: int, epochs: Iter
 
 
 @contextlib.contextmanager
-def solo_group(monkeypatch: pytest.MonkeyPatch, name: str = "solo") -> Iterator[Lighthouse]:
-    """One replica group in this process (a Lighthouse of its own): a fit inside the block
-    runs under strategy="elastic_ft"; its process group is destroyed after, since later tests
-    of this pytest process expect none."""
+def solo_group(
+    monkeypatch: pytest.MonkeyPatch, name: str = "solo", *, groups: int = 1
+) -> Iterator[Lighthouse]:
+    """One replica group in this process (a Lighthouse of its own, whose quorums need
+    ``groups`` groups): a fit inside the block runs under strategy="elastic_ft"; its process
+    group is destroyed after, since later tests of this pytest process expect none."""
     import torch.distributed as dist
 
-    lighthouse = Lighthouse()
+    lighthouse = Lighthouse(groups=groups)
     monkeypatch.setenv("LIGHTNING_ELASTIC_LIGHTHOUSE", lighthouse.address)
     monkeypatch.setenv("LIGHTNING_ELASTIC_REPLICA_GROUP", name)
     monkeypatch.setenv("RUST_LOG", "warn")

@@ -55,7 +55,8 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("torchft.manager", "Manager.current_step"),
     ("torchft.manager", "Manager.errored"),
     ("torchft.manager", "Manager.shutdown"),
-    # (and the instance attribute Manager._quorum_id: it names quorum changes in our metrics)
+    # (and the instance attributes Manager._quorum_id, which names quorum changes in our
+    # metrics, and Manager._executor, replaced by a daemon thread: see make_manager)
     ("torchft.process_group", "ProcessGroupGloo.configure"),
     ("torchft.process_group", "ProcessGroupGloo.allreduce"),
     ("torchft.coordination", "LighthouseServer"),
@@ -219,7 +220,47 @@ def make_manager(
         quorum_retries=max(1, int(quorum_timeout.total_seconds())),
     )
     manager.register_state_dict_fn(key, put_state, get_state)
+    # its quorum thread in a daemon thread: the Manager's ThreadPoolExecutor thread is joined
+    # at interpreter exit, and a quorum that waits (for the Lighthouse, for more groups) held
+    # a Ctrl-C'd or failed process for the whole quorum timeout (60 s of 60, measured)
+    manager._executor.shutdown(wait=False)
+    manager._executor = _DaemonExecutor("torchft-quorum")
     return manager
+
+
+class _DaemonExecutor:
+    """What torchft's Manager needs of its executor (``submit``, ``shutdown``): one daemon
+    thread running the submitted calls in order."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+        import threading
+
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        from concurrent.futures import Future
+
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, **_: Any) -> None:
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
 
 
 def quorum_id(manager: Any) -> int:
