@@ -241,6 +241,7 @@ class DistributedCheckpoint(Checkpoint):
         self.exit_on_signal = check_bool(exit_on_signal, "exit_on_signal")
         self._leading = False  # elastic_ft: this group wrote the job's last checkpoint
         self._led_since: int | None = None
+        self._pending_since: int | None = None  # the leadership the save in flight began in
         self._replica_seen = 0  # quorum events of the strategy already reported
         self.compression = check_choice(compression, "compression", (None, "zstd"))
         self.trusted = check_bool(trusted, "trusted")
@@ -593,9 +594,9 @@ class DistributedCheckpoint(Checkpoint):
         if score is not None and self._better(score):
             self.best_model_score, self.best_model_path = score, self.last_model_path
         if handle.done():
-            self._report(trainer, handle)
+            self._report(trainer, handle, since=self._led_since)
         else:
-            self._pending = handle
+            self._pending, self._pending_since = handle, self._led_since
             if self._monitor is not None:
                 self._monitor.in_flight()
 
@@ -611,7 +612,8 @@ class DistributedCheckpoint(Checkpoint):
         if handle is None or not (wait or (handle.done() and handle.succeeded())):
             return
         self._pending = None
-        self._report(trainer, handle)  # with wait: raises the save's error, on every rank
+        # with wait: raises the save's error, on every rank
+        self._report(trainer, handle, since=self._pending_since)
 
     @contextlib.contextmanager
     def _counting_failures(self, step: int) -> Iterator[None]:
@@ -623,16 +625,19 @@ class DistributedCheckpoint(Checkpoint):
                 self._monitor.failed(failure_phase(exc), step, exc)
             raise
 
-    def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
+    def _report(self, trainer: pl.Trainer, handle: SaveHandle, *, since: int | None = None) -> None:
         monitor = self._monitor
         try:
             with self._counting_failures(handle.step):
                 result: SaveResult = handle.result()
         except StaleWriterError as exc:
-            if self._leading or _replica_role(trainer) is _NOT_REPLICAS:
-                raise
-            # elastic_ft: this group was the leader when it started the save; another group
-            # leads now (this one was stopped, evicted and healed) and its commit won
+            role = _replica_role(trainer)
+            leads = role is None or (role.leader and role.leader_since == since)
+            if role is _NOT_REPLICAS or leads:
+                raise  # refused while this group still leads: another writer of the run
+            # elastic_ft: this group led when it started the save; another group led since
+            # (this one was stopped, evicted and healed) and took the run's lease, so this
+            # older state is not committed over the newer leader's checkpoints
             log.warning("checkpoint of step %d not committed: %s", handle.step, exc)
             return
         if monitor is not None:
@@ -686,6 +691,9 @@ class DistributedCheckpoint(Checkpoint):
         leader = role is None or role.leader
         since = None if role is None else role.leader_since
         if leader and (not self._leading or since != self._led_since):
+            # a save of an earlier leadership still in flight is settled first (it may be
+            # refused: another group led in between), then the lease is this leadership's
+            self._finish_pending(trainer, wait=True)
             self.engine.take_over(renew=True)
         self._leading, self._led_since = leader, since
         return leader

@@ -96,6 +96,8 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             is redone without the group that did not answer.
         quorum_timeout: seconds to wait for a quorum (the Lighthouse gone, too few groups)
             before :class:`~lightning_elastic.errors.ReplicaGroupError`.
+        connect_timeout: seconds to wait for the Lighthouse to answer when the group starts
+            (a wrong address fails with ``ReplicaGroupError`` after this long).
         drain_signals: signals that make this group leave at the next step boundary (a planned
             drain: nothing is thrown away); when every group gets one, the leader writes a
             last checkpoint first. Exit code ``128 + signal``.
@@ -127,6 +129,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         min_replica_groups: int = 1,
         step_timeout: float = 30.0,
         quorum_timeout: float = 300.0,
+        connect_timeout: float = 30.0,
         drain_signals: Sequence[str | int] | str = ("SIGTERM", "SIGUSR1"),
         global_batch_size: int | None = None,
         checkpoint_timeout: timedelta | float | None = None,
@@ -158,6 +161,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             min_groups=min_replica_groups,
             step_timeout=step_timeout,
             quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
             trusted=trusted,
         )
         self.drain_signals = check_signals(drain_signals, "drain_signals")
@@ -373,13 +377,17 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         while True:
             window = self._window
             params = self._params()
+            used = [p.grad is not None for p in params]
             grads = [_grad_of(p) for p in params]
+            assert self._data is not None
             reduced = self.replicas.reduce(
                 grads,
                 samples=float(window.samples),
                 weight=float(len(window.rounds)) * window.nominal,
                 view=window.view,
                 leaving=self._flag is not None and self._flag.received != 0,
+                used=used,
+                agreement=self._data.agreement(),
             )
             committed = self.replicas.commit() and reduced is not None
             if committed and reduced is not None:
@@ -393,7 +401,9 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
                 )
             loss = self._redo(trainer, closure)
         unflatten_into(grads, reduced.flats)
-        assert self._data is not None
+        for param, anyone in zip(params, reduced.used, strict=True):
+            if not anyone:  # no process's backward reached it: unused, as under DDP
+                param.grad = None
         self._data.commit(reduced.contributed)
         view = self._window.view
         self.committed_samples = [
