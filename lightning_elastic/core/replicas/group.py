@@ -126,10 +126,12 @@ class StepView:
 
     @property
     def slots(self) -> int:
+        """Data slots this step: one per process of every participating group."""
         return self.participants * self.group_size
 
     @property
     def slot(self) -> int | None:
+        """This process's data slot this step (None when its group does not participate)."""
         if self.participant is None:
             return None
         return self.participant * self.group_size + self.group_rank
