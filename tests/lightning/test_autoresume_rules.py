@@ -18,7 +18,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_elastic import CheckpointEngine, DistributedCheckpoint, ElasticStrategy
-from lightning_elastic.errors import CheckpointMismatchError, ConfigError
+from lightning_elastic.errors import (
+    CheckpointMismatchError,
+    ConfigError,
+    ElasticDeprecationWarning,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -192,18 +196,26 @@ def test_a_bad_dirpath_fails_at_setup(tmp_path: Path, kind: str) -> None:
 
 
 def test_one_checkpoint_timeout(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="two different checkpoint timeouts"):
+    # the strategy's value is the one used (examples/config.yaml sets it there)
+    _, checkpoint = fit(tmp_path / "b", strategy=ElasticStrategy(checkpoint_timeout=42))
+    assert checkpoint._session is not None
+    assert checkpoint._session.timeout == timedelta(seconds=42)
+    # the callback's old spelling still works, and two different values are refused
+    with pytest.warns(ElasticDeprecationWarning, match=r"ElasticStrategy\(checkpoint_timeout="):
+        _, checkpoint = fit(tmp_path / "d", timeout=30.0)
+    assert checkpoint._session is not None
+    assert checkpoint._session.timeout == timedelta(seconds=30)
+    with (
+        pytest.warns(ElasticDeprecationWarning),
+        pytest.raises(ConfigError, match="two different checkpoint timeouts"),
+    ):
         fit(
             tmp_path / "a",
             strategy=ElasticStrategy(checkpoint_timeout=timedelta(minutes=5)),
             timeout=60,
         )
-    # the strategy's value alone is the one used (examples/config.yaml sets it there)
-    _, checkpoint = fit(tmp_path / "b", strategy=ElasticStrategy(checkpoint_timeout=42))
-    assert checkpoint._session is not None
-    assert checkpoint._session.timeout == timedelta(seconds=42)
-    # equal values in both places are accepted
-    fit(tmp_path / "c", strategy=ElasticStrategy(checkpoint_timeout=30), timeout=30.0)
+    with pytest.warns(ElasticDeprecationWarning):  # equal values in both places: accepted
+        fit(tmp_path / "c", strategy=ElasticStrategy(checkpoint_timeout=30), timeout=30.0)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +254,11 @@ def test_dirpath_must_be_a_path() -> None:
 def test_an_unreachable_bucket_fails_at_setup(s3_server) -> None:
     model = Net()
     with pytest.raises(ConfigError, match="cannot write checkpoints to s3://no-such-bucket"):
-        fit("s3://no-such-bucket/ckpts", model, storage_options=s3_server.storage_options)
+        fit(
+            "s3://no-such-bucket/ckpts",
+            model,
+            strategy=ElasticStrategy(storage_options=s3_server.storage_options),
+        )
     assert model.steps_trained == 0
 
 

@@ -20,6 +20,8 @@ from lightning_elastic.core.options import (
     MAX_COUNT,
     MAX_SECONDS,
     MIN_SECONDS,
+    MonitoringOptions,
+    TierOptions,
     check_bool,
     check_choice,
     check_count,
@@ -29,7 +31,7 @@ from lightning_elastic.core.options import (
     check_signals,
     one_timeout,
 )
-from lightning_elastic.core.policy.cadence import AutoCadence, Continuous
+from lightning_elastic.core.policy.cadence import AutoCadence, CadenceOptions, Continuous
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.policy.triggers import EveryInterval, EveryNEpochs, EveryNSteps
 from lightning_elastic.core.storage.base import Storage
@@ -119,29 +121,25 @@ def _engine(**kw: Any) -> CheckpointEngine:
     return CheckpointEngine(root, coordinator=Coordinator.single_process(), **kw)
 
 
-def _tiers(**kw: Any) -> dict[str, Any]:
-    return {"local_dirpath": "/dev/shm/never-written", **kw}
+def _tiers(**kw: Any) -> TierOptions:
+    return TierOptions("/dev/shm/never-written", **kw)
 
 
 NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
     "every_n_train_steps": lambda v, _: DistributedCheckpoint(every_n_train_steps=v),
     "every_n_epochs": lambda v, _: DistributedCheckpoint(every_n_epochs=v),
     "train_time_interval": lambda v, _: DistributedCheckpoint(train_time_interval=v),
-    "mtbf": lambda v, _: DistributedCheckpoint(train_time_interval="auto", mtbf=v),
-    "max_overhead": lambda v, _: DistributedCheckpoint(train_time_interval="auto", max_overhead=v),
-    "min_interval": lambda v, _: DistributedCheckpoint(
-        train_time_interval="continuous", min_interval=v
-    ),
+    "mtbf": lambda v, _: CadenceOptions(mtbf=v),
+    "max_overhead": lambda v, _: CadenceOptions(max_overhead=v),
+    "min_interval": lambda v, _: CadenceOptions(min_interval=v),
     "keep_last_n": lambda v, _: DistributedCheckpoint(keep_last_n=v),
-    "keep_every_n_steps": lambda v, _: DistributedCheckpoint(keep_every_n_steps=v),
     "keep_best_k": lambda v, _: DistributedCheckpoint(keep_best_k=v, monitor="loss"),
-    "timeout": lambda v, _: DistributedCheckpoint(timeout=v),
-    "metrics_port": lambda v, _: DistributedCheckpoint(metrics_port=v),
-    "straggler_factor": lambda v, _: DistributedCheckpoint(straggler_factor=v),
-    "straggler_window": lambda v, _: DistributedCheckpoint(straggler_window=v),
-    "persist_every_n_saves": lambda v, _: DistributedCheckpoint(**_tiers(persist_every_n_saves=v)),
-    "replicas": lambda v, _: DistributedCheckpoint(**_tiers(replicas=v)),
-    "local_keep": lambda v, _: DistributedCheckpoint(**_tiers(local_keep=v)),
+    "metrics_port": lambda v, _: MonitoringOptions(metrics_port=v),
+    "straggler_factor": lambda v, _: MonitoringOptions(straggler_factor=v),
+    "straggler_window": lambda v, _: MonitoringOptions(straggler_window=v),
+    "persist_every_n_saves": lambda v, _: _tiers(persist_every_n_saves=v),
+    "replicas": lambda v, _: _tiers(replicas=v),
+    "local_keep": lambda v, _: _tiers(local_keep=v),
     "checkpoint_timeout": lambda v, _: ElasticStrategy(checkpoint_timeout=v),
     "global_batch_size": lambda v, _: ElasticStrategy(global_batch_size=v),
     "tensor_parallel_size": lambda v, _: ElasticFSDPStrategy(tensor_parallel_size=v),
@@ -222,9 +220,9 @@ def test_every_numeric_option_refuses_values_it_cannot_represent(
 
 def test_the_value_of_a_duration_string_is_named_as_written() -> None:
     with pytest.raises(ConfigError, match=r"mtbf must be a duration .* got '1e400h' \(str\)"):
-        DistributedCheckpoint(train_time_interval="auto", mtbf="1e400h")
+        CadenceOptions(mtbf="1e400h")
     with pytest.raises(ConfigError, match=r"min_interval .* \(at most a year\), got '400d'"):
-        DistributedCheckpoint(train_time_interval="continuous", min_interval="400d")
+        CadenceOptions(min_interval="400d")
 
 
 def test_numbers_at_the_edges_of_their_ranges() -> None:
@@ -242,7 +240,8 @@ def test_numbers_at_the_edges_of_their_ranges() -> None:
         check_number(1, "f", low=0, high=1, low_open=True, high_open=True)
     # a node's MTBF may exceed a year (the job's is over the nodes): up to a century
     assert AutoCadence(mtbf_s="5000d", nodes=1).mtbf_s == 5000 * 86400.0
-    assert DistributedCheckpoint(timeout=timedelta(days=365)).timeout == timedelta(days=365)
+    year = timedelta(days=365)
+    assert ElasticStrategy(checkpoint_timeout=year).checkpoint_timeout == year
 
 
 # ----------------------------------------------------------------------------- node ids
@@ -271,7 +270,7 @@ def test_node_ids_that_are_path_components_or_hold_controls_are_refused(node: An
         check_node_id(node)
     assert str(info.value).isascii()  # the message shows the id escaped: it cannot lie either
     with pytest.raises(ConfigError):
-        DistributedCheckpoint(local_dirpath="/dev/shm/x", node=node)
+        TierOptions("/dev/shm/x", node=node)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ def main() -> None:
         callbacks=[
             journal,
             DistributedCheckpoint(
-                f"{args.root}/ckpts", every_n_train_steps=args.every, keep_last_n=3, timeout=60
+                f"{args.root}/ckpts", every_n_train_steps=args.every, keep_last_n=3
             ),
         ],
         default_root_dir=args.root,
