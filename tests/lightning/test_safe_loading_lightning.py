@@ -180,9 +180,10 @@ def test_a_user_type_is_refused_unless_the_strategy_trusts_the_checkpoint(tmp_pa
     with pytest.raises(UnsafeCheckpointError, match=r"Opaque.*trusted=True"):
         _fit_opaque(str(tmp_path), 4)
     assert [p.name for p in sorted((tmp_path / "ckpts").glob("step_*"))] == ["step_000000002"]
-    model = _fit_opaque(str(tmp_path), 4, strategy=ElasticStrategy(trusted=True))
-    assert model.restored == 2
-    # the callback's old spelling still works (with Lightning's own strategy too)
+    # the callback's old spelling still works (with Lightning's own strategy too) ...
     with pytest.warns(ElasticDeprecationWarning, match=r"ElasticStrategy\(trusted="):
-        model = _fit_opaque(str(tmp_path), 6, trusted=True)
+        model = _fit_opaque(str(tmp_path), 4, trusted=True)
+    assert model.restored == 2
+    # ... the strategy's is the one to set
+    model = _fit_opaque(str(tmp_path), 6, strategy=ElasticStrategy(trusted=True))
     assert model.restored == 4

@@ -78,8 +78,9 @@ def test_tier_options_are_validated_at_construction(kwargs, match) -> None:
 
 
 def test_the_old_flat_tier_options_still_work_and_still_need_local_dirpath() -> None:
-    with pytest.warns(ElasticDeprecationWarning, match=r"tiers=TierOptions\(local_dirpath="):
+    with pytest.warns(ElasticDeprecationWarning, match=r"use tiers=TierOptions\(") as warned:
         old = DistributedCheckpoint("/tmp/ckpts", local_dirpath="/tmp/x", local_keep=3)
+    assert len(warned) == 2  # one per old spelling
     assert old.tiers == TierOptions("/tmp/x", local_keep=3)
     with (
         pytest.warns(ElasticDeprecationWarning, match=r"TierOptions\(replicas="),
