@@ -27,6 +27,9 @@ _EXPORTS = {
     "KeepBestK": "lightning_elastic.core.policy.retention",
     "KeepEveryNSteps": "lightning_elastic.core.policy.retention",
     "KeepLastN": "lightning_elastic.core.policy.retention",
+    "CadenceOptions": "lightning_elastic.core.policy.cadence",
+    "MonitoringOptions": "lightning_elastic.core.options",
+    "TierOptions": "lightning_elastic.core.options",
     "SaveResult": "lightning_elastic.core.save.request",
     "RetryPolicy": "lightning_elastic.core.storage.retry",
     "Storage": "lightning_elastic.core.storage.base",
@@ -51,6 +54,7 @@ _EXPORTS = {
             "CorruptCheckpointWarning",
             "DataShardingError",
             "ElasticCheckpointError",
+            "ElasticDeprecationWarning",
             "IntegrityError",
             "LoadTimeoutError",
             "ManifestError",
@@ -82,6 +86,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.load.load import LoadResult
     from lightning_elastic.core.load.per_rank import PerRankRule
     from lightning_elastic.core.load.weights import LoadedWeights, load_weights
+    from lightning_elastic.core.options import MonitoringOptions, TierOptions
+    from lightning_elastic.core.policy.cadence import CadenceOptions
     from lightning_elastic.core.policy.retention import (
         KeepAll,
         KeepBestK,
@@ -102,6 +108,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
         CorruptCheckpointWarning,
         DataShardingError,
         ElasticCheckpointError,
+        ElasticDeprecationWarning,
         IntegrityError,
         LoadTimeoutError,
         ManifestError,

@@ -7,6 +7,7 @@ where, and what to do about it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
@@ -23,6 +24,7 @@ __all__ = [
     "DataShardingError",
     "DistributedFailure",
     "ElasticCheckpointError",
+    "ElasticDeprecationWarning",
     "IntegrityError",
     "LoadTimeoutError",
     "ManifestError",
@@ -202,6 +204,17 @@ class ReplicaGroupError(ElasticCheckpointError, RuntimeError):
 
 class CorruptCheckpointWarning(UserWarning):
     """A checkpoint failed verification and was skipped (and quarantined)."""
+
+
+class ElasticDeprecationWarning(DeprecationWarning):
+    """An option spelled the old way: it still works, and the message names the new spelling
+    (shown by default, as Lightning shows its own deprecations)."""
+
+
+# Python shows a DeprecationWarning only when __main__ triggers it; LightningCLI builds the
+# callback from a YAML inside jsonargparse, where it would be hidden. A filter in front, as
+# Lightning's for LightningDeprecationWarning (pytest's own filters still come first in tests)
+warnings.simplefilter("default", ElasticDeprecationWarning)
 
 
 class StragglerWarning(RuntimeWarning):

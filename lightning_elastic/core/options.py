@@ -1,6 +1,9 @@
 """Checking user options once, the same way everywhere: each checker returns the value in its
 canonical type or raises :class:`~lightning_elastic.errors.ConfigError` naming the option, the
-value given and what is accepted.
+value given and what is accepted. Two of the option groups ``DistributedCheckpoint`` takes are
+here too, checked by these checkers: :class:`TierOptions` and :class:`MonitoringOptions`
+(the third, ``CadenceOptions``, is beside the cadence it configures; retention rules are the
+policy classes themselves).
 
 Options arrive from Python, from YAML (LightningCLI, where ``2.5`` or ``"yes"`` are easy to
 write) and from the command line, so nothing is coerced silently: ``every_n_train_steps=2.5``
@@ -19,17 +22,24 @@ import re
 import signal as signal_module
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from lightning_elastic.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_LOCAL_KEEP",
+    "DEFAULT_PERSIST_EVERY_N_SAVES",
+    "DEFAULT_REPLICAS",
     "DEFAULT_TIMEOUT",
     "MAX_COUNT",
     "MAX_SECONDS",
     "MIN_SECONDS",
+    "MonitoringOptions",
+    "TierOptions",
     "check_bool",
     "check_choice",
     "check_count",
@@ -43,9 +53,15 @@ __all__ = [
     "check_seed",
     "check_signals",
     "one_timeout",
+    "tier_options",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: multi-tier defaults: persist every save, one copy of each shard on another node, two
+#: checkpoints kept on each node
+DEFAULT_PERSIST_EVERY_N_SAVES = 1
+DEFAULT_REPLICAS = 1
+DEFAULT_LOCAL_KEEP = 2
 MAX_SECONDS = 365 * 24 * 3600.0  # beyond this a "timeout" is a mistake (and overflows timers)
 MIN_SECONDS = 1e-6  # a timedelta's resolution: a shorter duration becomes 0
 #: the largest count an option takes: what a manifest records (and far below what C sizes,
@@ -305,6 +321,74 @@ def tier_options(
     if node is not None:
         check_node_id(node)
     return {"local_root": str(local_dirpath), **given}
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """Multi-tier checkpoints (docs/tiers.md): every save commits on a node-local directory
+    first and each rank's shard is copied to ``replicas`` other nodes; the callback's
+    ``dirpath`` becomes the persistent tier, written every ``persist_every_n_saves``-th save
+    and at the end of a fit or on a signal; resume reads each node's files from the fastest
+    tier holding them.
+
+    Args:
+        local_dirpath: a node-local directory (``/dev/shm/...``, a local NVMe disk).
+        persist_every_n_saves: persist every k-th save to ``dirpath``.
+        replicas: other nodes holding a copy of each rank's shard (``0``: none; capped at the
+            number of other nodes).
+        local_keep: checkpoints kept on each node.
+        node: this node's id (default ``$LIGHTNING_ELASTIC_NODE``, else the host name).
+    """
+
+    local_dirpath: str | Path  # kept as a string
+    persist_every_n_saves: int = DEFAULT_PERSIST_EVERY_N_SAVES
+    replicas: int = DEFAULT_REPLICAS
+    local_keep: int = DEFAULT_LOCAL_KEEP
+    node: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.local_dirpath, os.PathLike):  # a Path is welcome; kept as a string
+            object.__setattr__(self, "local_dirpath", os.fspath(self.local_dirpath))
+        self.engine_options()  # checks every field (ConfigError)
+
+    def engine_options(self) -> dict[str, Any]:
+        """These options as :class:`~lightning_elastic.core.engine.CheckpointEngine` keywords
+        (``local_root=`` ...)."""
+        return tier_options(
+            self.local_dirpath,
+            persist_every_n_saves=self.persist_every_n_saves,
+            replicas=self.replicas,
+            local_keep=self.local_keep,
+            node=self.node,
+        )
+
+
+@dataclass(frozen=True)
+class MonitoringOptions:
+    """What ``DistributedCheckpoint`` observes and exports (docs/monitoring.md).
+
+    Args:
+        metrics_port: serve this rank's health metrics for Prometheus on
+            ``metrics_port + local rank`` (``0``: any free port; needs ``prometheus_client``,
+            the ``metrics`` extra). ``None``: not served (the loggers still get them).
+        straggler_factor: report a rank whose step time exceeds the median rank's by this
+            factor over a window (``None``: never).
+        straggler_window: optimizer steps per straggler window (every rank's timings ride on
+            the per-step agreement at each window's last step).
+        history: record the run's events (starts, resumes, commits, progress) in
+            ``dirpath/_history`` for ``lightning-elastic report`` and the lost-work metrics.
+    """
+
+    metrics_port: int | None = None
+    straggler_factor: float | None = 1.5
+    straggler_window: int = 50
+    history: bool = True
+
+    def __post_init__(self) -> None:
+        check_port(self.metrics_port)
+        object.__setattr__(self, "straggler_factor", check_factor(self.straggler_factor))
+        check_count(self.straggler_window, "straggler_window")
+        check_bool(self.history, "history")
 
 
 MAX_NODE_ID = 255

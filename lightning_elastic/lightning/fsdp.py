@@ -70,12 +70,14 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         timeout: timeout of the training process group (a ``timedelta`` or seconds, at most a
             year).
         checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load (a
-            ``timedelta`` or seconds; default 10 minutes).
-        verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
+            ``timedelta`` or seconds; default 10 minutes), for every checkpoint of this trainer.
+        verify: verification before loading any checkpoint: ``"full"``, ``"size"`` or
+            ``"none"``.
         global_batch_size: keep this many samples per optimizer step whatever the world size:
             each data-parallel rank's batch becomes ``global_batch_size / data_parallel_size``.
-        storage_options: fsspec options for checkpoint paths given to ``fit(ckpt_path=...)`` /
-            ``save_checkpoint`` (a ``DistributedCheckpoint``'s own take precedence).
+        storage_options: fsspec options for every checkpoint location this trainer opens (a
+            ``DistributedCheckpoint``'s ``dirpath``, ``fit(ckpt_path=...)``,
+            ``save_checkpoint``).
         trusted: load checkpoint objects without the safe-loading allowlist: only for
             checkpoints whose origin you trust.
     """

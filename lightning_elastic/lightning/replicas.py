@@ -100,15 +100,18 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             (a wrong address fails with ``ReplicaGroupError`` after this long).
         drain_signals: signals that make this group leave at the next step boundary (a planned
             drain: nothing is thrown away); when every group gets one, the leader writes a
-            last checkpoint first. Exit code ``128 + signal``.
+            last checkpoint first. Exit code ``128 + signal``. They replace a
+            ``DistributedCheckpoint``'s ``signals`` under this strategy (the callback refuses
+            other ones).
         global_batch_size: samples per round whoever takes part (each process trains its share);
             default: the DataLoader's ``batch_size`` per process, so the global batch follows the
             number of processes taking part.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (the group's own process group).
-        checkpoint_timeout, verify, storage_options, trusted: as for ``ElasticStrategy``;
-            ``trusted`` also loads a peer's live state without the safe-loading allowlist.
+        checkpoint_timeout, verify, storage_options, trusted: as for ``ElasticStrategy`` (every
+            checkpoint of this trainer, ``DistributedCheckpoint``'s included); ``trusted`` also
+            loads a peer's live state without the safe-loading allowlist.
     """
 
     strategy_name = "elastic_ft"

@@ -110,14 +110,15 @@ class ElasticSession:
         self.resumed: LoadResult | None = None
         self.resume_cost: ResumeCost | None = None
         self._config: str | bool | None = False  # False: not looked up yet
-        # fsspec options of every checkpoint location this trainer opens (the strategy's,
-        # overridden by the callback's): never open a checkpoint without the credentials
+        # fsspec options of every checkpoint location this trainer opens (the strategy's; the
+        # callback sets them again from its deprecated spelling, see checkpoint_options.py):
+        # never open a checkpoint without the credentials
         self.storage_options: dict[str, Any] = dict(
             getattr(trainer.strategy, "storage_options", None) or {}
         )
         self.global_batch_size: int | None = None  # set by ElasticStrategy
-        # unpickle checkpoint objects without the safe-loading allowlist (strategy's or
-        # callback's trusted=True)
+        # unpickle checkpoint objects without the safe-loading allowlist (the strategy's
+        # trusted=True, or the callback's deprecated spelling of it)
         self.trusted = bool(getattr(trainer.strategy, "trusted", False))
         # the callback was given a run_name: auto-resume considers only that run
         self.named_run = False

@@ -272,18 +272,24 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
         static_graph: forwarded to ``DistributedDataParallel``.
         gradient_as_bucket_view: forwarded to ``DistributedDataParallel``.
         checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load (a
-            ``timedelta`` or seconds; default 10 minutes). The one checkpoint timeout: a
-            ``DistributedCheckpoint``'s ``timeout`` must be left unset or equal.
-        verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
+            ``timedelta`` or seconds; default 10 minutes): the timeout of the one gloo group
+            every checkpoint of this trainer uses, ``DistributedCheckpoint``'s included.
+        verify: verification before loading any checkpoint (a resume, ``ckpt_path``):
+            ``"full"`` (sizes and checksums), ``"size"`` or ``"none"``.
         shard_optimizer_state: ZeRO-1: each rank keeps (and saves) the optimizer state of its
             share of the parameters only; checkpoints reshard to any world size.
         global_batch_size: keep this many samples per optimizer step whatever the world size:
             each rank's dataloader batch becomes ``global_batch_size / world_size``.
-        storage_options: fsspec options (credentials, ``endpoint_url``, ...) for checkpoint
-            paths given to ``fit(ckpt_path=...)``/``save_checkpoint`` (a
-            ``DistributedCheckpoint``'s own ``storage_options`` take precedence).
+        storage_options: fsspec options (credentials, ``endpoint_url``, ...) for every
+            checkpoint location this trainer opens: a ``DistributedCheckpoint``'s ``dirpath``,
+            ``fit(ckpt_path=...)``, ``save_checkpoint`` (whose own ``storage_options``
+            argument wins for its path).
         trusted: load checkpoint objects without the safe-loading allowlist (unpickling may run
             code from the checkpoint): only for checkpoints whose origin you trust.
+
+    These four are the strategy's because every checkpoint of the trainer uses them, whoever
+    reads or writes it (``DistributedCheckpoint``'s old spellings of them are deprecated; see
+    docs/options.md).
     """
 
     strategy_name = "elastic"

@@ -24,6 +24,8 @@ from lightning_elastic.core.options import (
     MAX_COUNT,
     MAX_SECONDS,
     MIN_SECONDS,
+    MonitoringOptions,
+    TierOptions,
     check_bool,
     check_choice,
     check_count,
@@ -33,7 +35,7 @@ from lightning_elastic.core.options import (
     check_signals,
     one_timeout,
 )
-from lightning_elastic.core.policy.cadence import AutoCadence, Continuous
+from lightning_elastic.core.policy.cadence import AutoCadence, CadenceOptions, Continuous
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.policy.triggers import EveryInterval, EveryNEpochs, EveryNSteps
 from lightning_elastic.core.storage.base import Storage
@@ -123,29 +125,25 @@ def _engine(**kw: Any) -> CheckpointEngine:
     return CheckpointEngine(root, coordinator=Coordinator.single_process(), **kw)
 
 
-def _tiers(**kw: Any) -> dict[str, Any]:
-    return {"local_dirpath": "/dev/shm/never-written", **kw}
+def _tiers(**kw: Any) -> TierOptions:
+    return TierOptions("/dev/shm/never-written", **kw)
 
 
 NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
     "every_n_train_steps": lambda v, _: DistributedCheckpoint(every_n_train_steps=v),
     "every_n_epochs": lambda v, _: DistributedCheckpoint(every_n_epochs=v),
     "train_time_interval": lambda v, _: DistributedCheckpoint(train_time_interval=v),
-    "mtbf": lambda v, _: DistributedCheckpoint(train_time_interval="auto", mtbf=v),
-    "max_overhead": lambda v, _: DistributedCheckpoint(train_time_interval="auto", max_overhead=v),
-    "min_interval": lambda v, _: DistributedCheckpoint(
-        train_time_interval="continuous", min_interval=v
-    ),
+    "mtbf": lambda v, _: CadenceOptions(mtbf=v),
+    "max_overhead": lambda v, _: CadenceOptions(max_overhead=v),
+    "min_interval": lambda v, _: CadenceOptions(min_interval=v),
     "keep_last_n": lambda v, _: DistributedCheckpoint(keep_last_n=v),
-    "keep_every_n_steps": lambda v, _: DistributedCheckpoint(keep_every_n_steps=v),
     "keep_best_k": lambda v, _: DistributedCheckpoint(keep_best_k=v, monitor="loss"),
-    "timeout": lambda v, _: DistributedCheckpoint(timeout=v),
-    "metrics_port": lambda v, _: DistributedCheckpoint(metrics_port=v),
-    "straggler_factor": lambda v, _: DistributedCheckpoint(straggler_factor=v),
-    "straggler_window": lambda v, _: DistributedCheckpoint(straggler_window=v),
-    "persist_every_n_saves": lambda v, _: DistributedCheckpoint(**_tiers(persist_every_n_saves=v)),
-    "replicas": lambda v, _: DistributedCheckpoint(**_tiers(replicas=v)),
-    "local_keep": lambda v, _: DistributedCheckpoint(**_tiers(local_keep=v)),
+    "metrics_port": lambda v, _: MonitoringOptions(metrics_port=v),
+    "straggler_factor": lambda v, _: MonitoringOptions(straggler_factor=v),
+    "straggler_window": lambda v, _: MonitoringOptions(straggler_window=v),
+    "persist_every_n_saves": lambda v, _: _tiers(persist_every_n_saves=v),
+    "replicas": lambda v, _: _tiers(replicas=v),
+    "local_keep": lambda v, _: _tiers(local_keep=v),
     "checkpoint_timeout": lambda v, _: ElasticStrategy(checkpoint_timeout=v),
     "strategy timeout": lambda v, _: ElasticStrategy(timeout=v),
     "fsdp timeout": lambda v, _: ElasticFSDPStrategy(timeout=v),
@@ -230,9 +228,9 @@ def test_every_numeric_option_refuses_values_it_cannot_represent(
 
 def test_the_value_of_a_duration_string_is_named_as_written() -> None:
     with pytest.raises(ConfigError, match=r"mtbf must be a duration .* got '1e400h' \(str\)"):
-        DistributedCheckpoint(train_time_interval="auto", mtbf="1e400h")
+        CadenceOptions(mtbf="1e400h")
     with pytest.raises(ConfigError, match=r"min_interval .* \(at most a year\), got '400d'"):
-        DistributedCheckpoint(train_time_interval="continuous", min_interval="400d")
+        CadenceOptions(min_interval="400d")
 
 
 def test_numbers_at_the_edges_of_their_ranges() -> None:
@@ -250,7 +248,8 @@ def test_numbers_at_the_edges_of_their_ranges() -> None:
         check_number(1, "f", low=0, high=1, low_open=True, high_open=True)
     # a node's MTBF may exceed a year (the job's is over the nodes): up to a century
     assert AutoCadence(mtbf_s="5000d", nodes=1).mtbf_s == 5000 * 86400.0
-    assert DistributedCheckpoint(timeout=timedelta(days=365)).timeout == timedelta(days=365)
+    year = timedelta(days=365)
+    assert ElasticStrategy(checkpoint_timeout=year).checkpoint_timeout == year
 
 
 def test_numbers_of_any_numeric_type_are_kept_as_plain_ints_and_floats() -> None:
@@ -282,7 +281,9 @@ def test_numbers_of_any_numeric_type_are_kept_as_plain_ints_and_floats() -> None
     position = sampler.position(1)
     assert type(position.world_size) is int and type(position.consumed) is int
     assert type(ElasticStrategy(global_batch_size=np.int64(8)).global_batch_size) is int
-    auto = DistributedCheckpoint(train_time_interval="auto", max_overhead=Decimal("0.05"))
+    auto = DistributedCheckpoint(
+        train_time_interval="auto", cadence=CadenceOptions(max_overhead=Decimal("0.05"))
+    )
     assert auto._schedule.cadence.auto == {"mtbf_s": None, "max_overhead": 0.05}
     assert check_seconds(Decimal("1.5"), "t") == 1.5
     for refused in (Decimal("NaN"), Decimal("sNaN"), Decimal("1e400"), Decimal("-1")):
@@ -326,7 +327,6 @@ checkpoint:
   keep_last_n: "10"
   every_n_train_steps: 1_000
   train_time_interval: 30m
-  timeout: 1e3
 strategy:
   timeout: 600
   checkpoint_timeout: "1e3"
@@ -336,18 +336,19 @@ strategy:
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # < 4.49
     init = instantiate(config)
     callback, strategy = init.checkpoint, init.strategy
-    assert callback._retention == [KeepLastN(10)]
+    assert callback.retention == (KeepLastN(10),)
     assert callback._schedule.step_trigger == EveryNSteps(1000)
     assert callback._schedule.cadence.interval.seconds == 1800.0
-    assert callback.timeout == timedelta(seconds=1000)
+    assert strategy.checkpoint_timeout == 1000.0  # a number, not the string YAML gave
     assert strategy._timeout == timedelta(minutes=10)
     assert strategy.global_batch_size == 64
     for option, value in (
-        ("keep_last_n", "0"),
-        ("timeout", "1e400"),
-        ("train_time_interval", "400d"),
+        ("checkpoint.keep_last_n", "0"),
+        ("strategy.checkpoint_timeout", "1e400"),
+        ("checkpoint.train_time_interval", "400d"),
     ):
-        bad = parser.parse_string(f"checkpoint:\n  {option}: {value}\n")
+        group, option = option.split(".")
+        bad = parser.parse_string(f"{group}:\n  {option}: {value}\n")
         with pytest.raises(ConfigError, match=rf"{option} must be .* (in|>=) "):
             instantiate(bad)
 
@@ -378,7 +379,7 @@ def test_node_ids_that_are_path_components_or_hold_controls_are_refused(node: An
         check_node_id(node)
     assert str(info.value).isascii()  # the message shows the id escaped: it cannot lie either
     with pytest.raises(ConfigError):
-        DistributedCheckpoint(local_dirpath="/dev/shm/x", node=node)
+        TierOptions("/dev/shm/x", node=node)
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def main() -> None:
             *([StopWhenAsked(args.stop_file)] if args.stop_file else []),
             journal,
             DistributedCheckpoint(
-                f"{args.root}/ckpts", every_n_train_steps=args.every, keep_last_n=3, timeout=60
+                f"{args.root}/ckpts", every_n_train_steps=args.every, keep_last_n=3
             ),
         ],
         default_root_dir=args.root,
