@@ -38,8 +38,11 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
+from lightning_elastic.core.forking_loaders import warn_forking_workers
 from lightning_elastic.core.format.integrity import VERIFY_MODES
 from lightning_elastic.core.observe.history import RunHistory
+from lightning_elastic.core.observe.lost_work import Resumed
+from lightning_elastic.core.observe.monitor import HealthMonitor, failure_phase
 from lightning_elastic.core.options import (
     check_bool,
     check_choice,
@@ -54,17 +57,15 @@ from lightning_elastic.core.options import (
 )
 from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
+from lightning_elastic.core.policy.schedule import SaveSchedule
 from lightning_elastic.errors import CheckpointSaveError, ConfigError, StaleWriterError
 from lightning_elastic.lightning._compat import checkpoint_after_batch
-from lightning_elastic.lightning.fork_safety import warn_forking_workers
-from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
     uninstall_dataloader_hook,
     uninstall_resume_hook,
 )
-from lightning_elastic.lightning.schedule import SaveSchedule
 from lightning_elastic.lightning.session import ElasticSession, ResumeCost
 from lightning_elastic.lightning.supported import check_strategy
 

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
+from lightning_elastic import HealthMonitor
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.errors import ConfigError
-from lightning_elastic.lightning.health import HealthMonitor
 
 
 class Clock:

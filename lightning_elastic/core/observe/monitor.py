@@ -23,7 +23,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,7 +62,7 @@ _MAX_HOSTS = 64  # node names kept in a start event (with their count)
 class MetricsLogger(Protocol):
     """Where :meth:`HealthMonitor.log_to` sends the metrics (a Lightning logger is one)."""
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
 
 
 class HealthMonitor:
