@@ -15,7 +15,7 @@ Saved per rank with every checkpoint (rank-local state, tensors and plain values
 * every ``self.log`` of the training hooks (the training loop's result collection): its
   arguments, its accumulators (sum, count, maximum or minimum of the epoch so far), its last
   step value; a logged torchmetrics ``Metric`` by its attribute (its state is saved by
-  :mod:`~lightning_elastic.lightning.metrics`);
+  :mod:`~lightning_elastic.lightning.torchmetrics_state`);
 * where the loop stands for ``self.log`` (first batch of an epoch or not, the last hook that
   logged), which decides whether the next ``self.log`` starts the epoch's values afresh.
 
