@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -242,10 +242,3 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
     def _fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
-
-
-StrategyRegistry.register(
-    "elastic_fsdp",
-    ElasticFSDPStrategy,
-    description="FSDP2 with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
-)

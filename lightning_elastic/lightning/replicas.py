@@ -40,7 +40,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
@@ -531,10 +531,3 @@ def _grad_of(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
-
-
-StrategyRegistry.register(
-    "elastic_ft",
-    ElasticFTStrategy,
-    description="replica groups that leave and join without a restart (lightning_elastic, torchft)",
-)

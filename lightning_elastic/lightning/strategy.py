@@ -29,7 +29,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
@@ -379,10 +379,3 @@ def _torchrun(name: str) -> int | None:
         return None
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() else None
-
-
-StrategyRegistry.register(
-    "elastic",
-    ElasticStrategy,
-    description="DDP with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
-)
