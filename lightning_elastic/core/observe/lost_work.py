@@ -83,6 +83,26 @@ class Resumed:
             read_s=cost.read_s,
         )
 
+    @classmethod
+    def from_load(cls, result: LoadResult, *, seconds: float | None = None) -> Resumed:
+        """From what ``CheckpointEngine.load`` returned; ``seconds``: the whole load as the
+        caller timed it (default: its verification and read, no selection)."""
+        total = result.verify_s + result.load_s if seconds is None else seconds
+        resumed = cls.of(result, _Cost(total, result.verify_s, result.load_s))
+        assert resumed is not None
+        return resumed
+
+
+@dataclass(frozen=True)
+class _Cost:
+    seconds: float
+    verify_s: float
+    read_s: float
+
+    @property
+    def selection_s(self) -> float:
+        return max(0.0, self.seconds - self.verify_s - self.read_s)
+
 
 @dataclass(frozen=True)
 class Interrupted:

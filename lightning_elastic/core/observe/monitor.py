@@ -48,6 +48,8 @@ from lightning_elastic.errors import ConfigError, Phase, StragglerWarning
 
 if TYPE_CHECKING:
     from lightning_elastic.core.dist.coordinator import Coordinator
+    from lightning_elastic.core.engine import CheckpointEngine
+    from lightning_elastic.core.load.load import LoadResult
     from lightning_elastic.core.observe.history import RunHistory
     from lightning_elastic.core.save.request import SaveResult
 
@@ -253,6 +255,18 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ stragglers
 
+    def agree(
+        self, coordinator: Coordinator, step: int, loggers: Sequence[MetricsLogger] = ()
+    ) -> None:
+        """For a loop without an agreement of its own (``DistributedCheckpoint`` carries the
+        timings in its per-step one): at every optimizer step, on every rank, after
+        :meth:`step_end`; where a window ends (the same steps everywhere) the window's timings
+        are exchanged (one small all-reduce) and judged."""
+        shared = self.shared(step)
+        if shared:
+            shared = coordinator.max_ints(shared, Phase.AGREE, track=False)
+        self.after_agreement(step, shared, loggers)
+
     def window_ends(self, step: int) -> bool:
         """Whether a straggler window ends at ``step`` (the same answer on every rank)."""
         return self.factor is not None and self.world_size > 1 and step % self.window.steps == 0
@@ -368,13 +382,24 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ the run's history
 
+    @staticmethod
+    def history_for(engine: CheckpointEngine) -> RunHistory | None:
+        """The run history to pass to :meth:`train_start` for a loop around ``engine``: rank
+        0's, in the engine's root, for the engine's run (``None`` on the other ranks)."""
+        from lightning_elastic.core.observe.history import RunHistory
+
+        if engine.rank != 0:
+            return None
+        # the monitor throttles the progress records itself (progress_every_s)
+        return RunHistory(engine.storage, run_id=engine.run_id, progress_every_s=0.0)
+
     def train_start(
         self,
         history: RunHistory | None,
         coordinator: Coordinator,
         *,
         step: int,
-        resumed: Resumed | None,
+        resumed: Resumed | LoadResult | None,
         setup_unix: float,
     ) -> None:
         """Training starts (after any resume; every rank calls it: one broadcast). Rank 0
@@ -383,6 +408,8 @@ class HealthMonitor:
         launch's start and first progress before the first step, synchronously (a launch killed
         in its first step still counts); a resume's cost is recorded at the first step, when
         the recovery is complete."""
+        if resumed is not None and not isinstance(resumed, Resumed):
+            resumed = Resumed.from_load(resumed)  # CheckpointEngine.load's result
         self.history = history if self.rank == 0 else None
         if self.history is not None:
             self._recorder = HistoryRecorder(self.history, progress_every_s=self.progress_every_s)
