@@ -30,7 +30,6 @@ Usage: ``lightning-elastic run [--warm-start] [--preload MODS] [torchrun argumen
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import importlib.util
 import logging
@@ -48,6 +47,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lightning_elastic.core._compat import (
     elastic_agent_class,
+    give_back_restart,
+    run_exit_handlers,
     torchrun_entry,
     torchrun_script_runner,
 )
@@ -71,12 +72,12 @@ class PlannedExitAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._planned(result):
             # the agent's loop spends one restart on a failed group: give it back
-            self._remaining_restarts += 1
+            left = give_back_restart(self)
             log.warning(
                 "worker group left after an agreed checkpoint (planned exit of ranks %s): "
                 "restarting without counting a failure (%d restarts left)",
                 sorted(result.failures),
-                self._remaining_restarts - 1,
+                left - 1,
             )
         return result
 
@@ -110,7 +111,7 @@ def run_script(script: str, *args: str) -> None:
         if exc.code not in (None, 0):
             raise
     finally:
-        atexit._run_exitfuncs()
+        run_exit_handlers()
 
 
 def _installed(name: str) -> bool:

@@ -59,7 +59,7 @@ from lightning_elastic.core.policy.cadence import Cadence
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.policy.schedule import SaveSchedule
 from lightning_elastic.errors import CheckpointSaveError, ConfigError, StaleWriterError
-from lightning_elastic.lightning._compat import checkpoint_after_batch
+from lightning_elastic.lightning._compat import callback_state_key, checkpoint_after_batch
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
@@ -261,7 +261,7 @@ class DistributedCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self.dirpath)
+        return callback_state_key(self, dirpath=self.dirpath)
 
     @property
     def engine(self) -> CheckpointEngine:

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic.errors import ConfigError, DataShardingError
+from lightning_elastic.lightning._compat import litdata_children
 from lightning_elastic.lightning.litdata_plan import (
     ResumePlan,
     elastic,
@@ -90,7 +91,7 @@ def streaming_datasets(dataset: object) -> list[Any]:
     ``CombinedStreamingDataset`` / ``ParallelStreamingDataset`` combines."""
     if _from_litdata(dataset, "StreamingDataset"):
         return [dataset]
-    children = getattr(dataset, "_datasets", None)
+    children = litdata_children(dataset)
     if not type(dataset).__module__.startswith("litdata.") or not isinstance(children, list):
         return []
     return [child for c in children for child in streaming_datasets(c)]
