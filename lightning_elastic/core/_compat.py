@@ -23,6 +23,7 @@ __all__ = [
     "load_planner_mappings",
     "missing",
     "process_group_store",
+    "rendezvous_round",
     "run_exit_handlers",
     "save_planner_state",
     "set_up_save_planner",
@@ -66,9 +67,28 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "torch.distributed.elastic.agent.server.local_elastic_agent",
         "LocalElasticAgent._monitor_workers",
     ),
+    # ... and, under a warm start, its _rendezvous (the agent joins once its server is ready)
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous"),
+    # ... and its _start_workers, around which the launcher tells the workers the rendezvous
+    # round (DynamicRendezvousHandler._state_holder.state.round, an instance attribute): the
+    # agent's store outlives the workers, and a process group initialized in a new round
+    # must not read the keys a previous round's workers left there
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "LocalElasticAgent._start_workers",
+    ),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler"),
     # the exit handlers a warm-started worker runs itself (it leaves through os._exit)
     ("atexit", "_run_exitfuncs"),
 )
+
+
+def rendezvous_round(handler: Any) -> int | None:
+    """The round of torchrun's dynamic rendezvous ``handler`` (the same on every agent of a
+    round), or ``None`` for another kind of handler."""
+    holder = getattr(handler, "_state_holder", None)
+    round_ = getattr(getattr(holder, "state", None), "round", None)
+    return round_ if isinstance(round_, int) else None
 
 
 def process_group_store(group: Any) -> Any:

@@ -34,6 +34,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_elastic.core.elastic.planned_exit import WORKER_GENERATION_ENV
 from lightning_elastic.core.format.catalog import split_location
 from lightning_elastic.core.format.integrity import VERIFY_MODES
 from lightning_elastic.core.options import (
@@ -371,7 +372,7 @@ def attempt_store() -> Any:
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    generation = os.environ.get("LIGHTNING_ELASTIC_WORKER_GENERATION", "0")
+    generation = os.environ.get(WORKER_GENERATION_ENV, "0")
     client = TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
