@@ -31,6 +31,8 @@ _EXPORTS = {
     "PerRankRule": "lightning_elastic.core.load.per_rank",
     "LoadedWeights": "lightning_elastic.core.load.weights",
     "load_weights": "lightning_elastic.core.load.weights",
+    "RunHistory": "lightning_elastic.core.observe.history",
+    "read_history": "lightning_elastic.core.observe.history",
     "HealthMonitor": "lightning_elastic.core.observe.monitor",
     "KeepAll": "lightning_elastic.core.policy.retention",
     "KeepBestK": "lightning_elastic.core.policy.retention",
@@ -46,6 +48,7 @@ _EXPORTS = {
     "ElasticFTStrategy": "lightning_elastic.lightning.replicas",
     "ElasticShardedIterable": "lightning_elastic.lightning.streaming",
     "ElasticStrategy": "lightning_elastic.lightning.strategy",
+    "Lighthouse": "lightning_elastic.lighthouse",
     **dict.fromkeys(errors.__all__, "lightning_elastic.errors"),
 }
 
@@ -68,6 +71,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.load.load import LoadResult
     from lightning_elastic.core.load.per_rank import PerRankRule
     from lightning_elastic.core.load.weights import LoadedWeights, load_weights
+    from lightning_elastic.core.observe.history import RunHistory, read_history
     from lightning_elastic.core.observe.monitor import HealthMonitor
     from lightning_elastic.core.policy.retention import (
         KeepAll,
@@ -80,6 +84,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.storage.base import Storage
     from lightning_elastic.core.storage.retry import RetryPolicy
     from lightning_elastic.errors import *  # noqa: F403  (exactly errors.__all__)
+    from lightning_elastic.lighthouse import Lighthouse
     from lightning_elastic.lightning.callback import DistributedCheckpoint
     from lightning_elastic.lightning.data import ElasticSampler
     from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy

@@ -133,3 +133,29 @@ def test_read_jsonl_left_the_api_but_still_works_with_a_deprecation_warning() ->
         assert list(reader(io.BytesIO(b'{"a": 1}\n{"a": 2}\n'), 1, 2)) == [{"a": 2}]
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         _ = lightning_elastic.no_such_name  # type: ignore[attr-defined]
+
+
+# modules a user may import besides the top level: the errors, the test helpers, and the
+# Lightning adapters for their side effect (docs/resuming.md: load_from_checkpoint in a bare
+# process)
+PUBLIC_MODULES = (
+    "lightning_elastic.errors",
+    "lightning_elastic.testing",
+    "lightning_elastic.lightning",
+)
+IMPORT = re.compile(
+    r"^\s*(?:from\s+(lightning_elastic[\w.]*)\s+import|import\s+(lightning_elastic[\w.]*))", re.M
+)
+
+
+def test_the_docs_and_examples_import_only_public_modules() -> None:
+    """What the documentation teaches stays inside the boundary (docs/architecture.md)."""
+    sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py")]
+    internal = sorted(
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sources
+        for match in IMPORT.finditer(path.read_text())
+        if (module := match[1] or match[2]) != "lightning_elastic"
+        and not any(module == m or module.startswith(m + ".") for m in PUBLIC_MODULES)
+    )
+    assert not internal, f"import these from lightning_elastic instead: {internal}"

@@ -42,13 +42,24 @@ class LoadCost(Protocol):
     ``ResumeCost`` is one)."""
 
     @property
-    def seconds(self) -> float: ...
+    def seconds(self) -> float:
+        """The whole load: selection, verification and read."""
+        ...
+
     @property
-    def selection_s(self) -> float: ...
+    def selection_s(self) -> float:
+        """Choosing the checkpoint."""
+        ...
+
     @property
-    def verify_s(self) -> float: ...
+    def verify_s(self) -> float:
+        """Verifying it."""
+        ...
+
     @property
-    def read_s(self) -> float: ...
+    def read_s(self) -> float:
+        """Reading (and resharding) it."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,9 @@ _MAX_HOSTS = 64  # node names kept in a start event (with their count)
 class MetricsLogger(Protocol):
     """Where :meth:`HealthMonitor.log_to` sends the metrics (a Lightning logger is one)."""
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Record ``metrics`` (name -> value) at ``step``."""
+        ...
 
 
 class HealthMonitor:

@@ -126,10 +126,12 @@ class StepView:
 
     @property
     def slots(self) -> int:
+        """The processes taking part in the step: participating groups x group size."""
         return self.participants * self.group_size
 
     @property
     def slot(self) -> int | None:
+        """This process's place among the :attr:`slots` (``None``: not taking part)."""
         if self.participant is None:
             return None
         return self.participant * self.group_size + self.group_rank
