@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,11 @@ class HistoryRecorder:
         self._progress_write: Future[Any] | None = None
         self._progress_at = -math.inf
         self._catalog: Catalog | None = None
+        # a progress record written at once (a crash) is final: a background one of an older
+        # step, queued or running, must not land after it (the newest record is what the next
+        # launch reads as "interrupted at"; seen: a crash at step 7 recorded as step 6)
+        self._progress_lock = threading.Lock()
+        self._final_step: int | None = None
 
     def record(self, kind: str, **fields: Any) -> None:
         """Record an event of ``kind`` in the background."""
@@ -71,15 +77,19 @@ class HistoryRecorder:
         if not force and (pending or now - self._progress_at < self.progress_every_s):
             return  # throttled here, and never queued behind a slow write
         self._progress_at = now
-        history = self.history
-        self._progress_write = self._background(
-            lambda: history.progress(step, force=True, planned=planned)
-        )
+        self._progress_write = self._background(lambda: self._write_progress(step, planned))
+
+    def _write_progress(self, step: int, planned: bool) -> None:
+        with self._progress_lock:
+            if self._final_step is None:
+                self.history.progress(step, force=True, planned=planned)
 
     def crashed(self, step: int) -> None:
         """Training ends with an exception at ``step``: its progress, written now (the process
         may not live to run the background thread)."""
-        self.history.progress(step, force=True, planned=False)
+        with self._progress_lock:  # after a background write in progress, before any queued
+            self._final_step = step
+            self.history.progress(step, force=True, planned=False)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the writes handed over so far."""
