@@ -39,7 +39,6 @@ Usage: ``lightning-elastic run [--warm-start] [--preload MODS] [torchrun argumen
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import importlib.util
 import logging
@@ -60,7 +59,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lightning_elastic.core._compat import (
     elastic_agent_class,
+    give_back_restart,
     rendezvous_round,
+    run_exit_handlers,
     torchrun_entry,
     torchrun_script_runner,
 )
@@ -103,12 +104,12 @@ class PlannedExitAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._planned(result):
             # the agent's loop spends one restart on a failed group: give it back
-            self._remaining_restarts += 1
+            left = give_back_restart(self)
             log.warning(
                 "worker group left after an agreed checkpoint (planned exit of ranks %s): "
                 "restarting without counting a failure (%d restarts left)",
                 sorted(result.failures),
-                self._remaining_restarts - 1,
+                left - 1,
             )
         return result
 
@@ -166,7 +167,7 @@ def run_script(script: str, *args: str) -> None:
         exc = exc.with_traceback(_from_script(exc.__traceback__))  # what excepthook prints
         sys.excepthook(type(exc), exc, exc.__traceback__)
     finally:
-        atexit._run_exitfuncs()
+        run_exit_handlers()
     if interrupted:
         _exit_by_sigint()
 

@@ -19,12 +19,15 @@ __all__ = [
     "flatten_dense",
     "flatten_nested",
     "foreach_copy",
+    "give_back_restart",
     "load_planner_mappings",
     "missing",
     "process_group_store",
     "rendezvous_round",
+    "run_exit_handlers",
     "save_planner_state",
     "set_up_save_planner",
+    "tcp_store_class",
     "torchrun_entry",
     "unmet",
 ]
@@ -73,6 +76,8 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "LocalElasticAgent._start_workers",
     ),
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler"),
+    # the exit handlers a warm-started worker runs itself (it leaves through os._exit)
+    ("atexit", "_run_exitfuncs"),
 )
 
 
@@ -163,6 +168,32 @@ def torchrun_script_runner(fn: Any) -> contextlib.AbstractContextManager[None]:
     ``fn(script, *args)`` instead of its ``run_script_path`` (``config_from_args`` looks the
     name up in its module at call time)."""
     return _swapped("torch.distributed.run", "run_script_path", fn)
+
+
+def give_back_restart(agent: Any) -> int:
+    """One more restart for a torch elastic agent (its loop spends one on every failed worker
+    group: ``SimpleElasticAgent._remaining_restarts``, an instance attribute); the restarts
+    left."""
+    agent._remaining_restarts += 1
+    return int(agent._remaining_restarts)
+
+
+def run_exit_handlers() -> None:
+    """Run (and clear) the ``atexit`` handlers now, as the interpreter does at its exit."""
+    import atexit
+
+    atexit._run_exitfuncs()
+
+
+def tcp_store_class() -> Any:
+    """c10d's ``TCPStore`` (public as ``torch.distributed.TCPStore``; older torch and the type
+    stubs have it only in ``torch._C._distributed_c10d``)."""
+    import torch.distributed as dist
+
+    store = getattr(dist, "TCPStore", None)
+    if store is None:  # pragma: no cover - torch < 2.0
+        from torch._C._distributed_c10d import TCPStore as store
+    return store
 
 
 def elastic_agent_class(cls: type) -> contextlib.AbstractContextManager[None]:

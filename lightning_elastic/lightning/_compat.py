@@ -18,6 +18,8 @@ from lightning_elastic.core._compat import unmet
 
 __all__ = [
     "REQUIREMENTS",
+    "before_batch_transfer",
+    "callback_state_key",
     "checkpoint_after_batch",
     "dump_checkpoint",
     "finish_fit_loop_restart",
@@ -26,6 +28,7 @@ __all__ = [
     "install_on_connector",
     "is_distributed",
     "limit_train_batches",
+    "litdata_children",
     "logger_connector_state",
     "loop_progress",
     "metric_reductions",
@@ -33,17 +36,25 @@ __all__ = [
     "missing",
     "new_result_metric",
     "optimizer_to_device",
+    "parallel_sizes",
     "pending_loader_states",
     "prefetched_batches",
+    "process_group_backend",
+    "process_group_timeout",
     "reinstantiate_dataloader",
     "restore_results",
     "result_entry",
     "set_closure_batch",
+    "set_data_parallel_size",
     "set_loaded_checkpoint",
     "set_logger_connector_state",
     "set_loop_progress",
     "set_metric_update_count",
+    "set_strategy_devices",
+    "set_strategy_nodes",
     "snapshot_results",
+    "strategy_devices",
+    "strategy_nodes",
     "track_scheduler_steps",
     "train_combined_loader",
     "train_loader_mode",
@@ -126,7 +137,79 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # the public setup_distributed): ElasticFSDPStrategy overrides it to initialize the group on
     # torchrun's agent store under the round's prefix first (strategy.py attempt_store)
     ("lightning.pytorch.strategies.model_parallel", "ModelParallelStrategy._setup_distributed"),
+    # our strategies keep the devices and nodes torchrun gives in the attributes the Lightning
+    # bases keep them in (ParallelStrategy._parallel_devices, DDPStrategy._num_nodes), and
+    # ElasticFSDPStrategy follows the world with ModelParallelStrategy's _data_parallel_size /
+    # _tensor_parallel_size; the process group's backend and timeout are DDPStrategy's
+    # (instance attributes, checked on live strategies by tests/unit/test_compat.py)
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
+    # a callback's state key as Lightning's own callbacks form it
+    ("lightning.pytorch.callbacks.callback", "Callback._generate_state_key"),
+    # replica groups: a batch loaded outside the loop made ready as the loop makes the
+    # DataLoader's (the module's on_before_batch_transfer hook, through its private caller)
+    ("lightning.pytorch.core.module", "LightningModule._on_before_batch_transfer"),
 )
+
+
+def strategy_devices(strategy: Any) -> Any:
+    """The devices a Lightning ``ParallelStrategy`` keeps (its ``_parallel_devices``)."""
+    return strategy._parallel_devices
+
+
+def set_strategy_devices(strategy: Any, devices: Any) -> None:
+    """Keep ``devices`` where ``ParallelStrategy.parallel_devices`` reads them."""
+    strategy._parallel_devices = devices
+
+
+def strategy_nodes(strategy: Any) -> int:
+    """The node count a Lightning ``DDPStrategy`` keeps (its ``_num_nodes``)."""
+    return int(strategy._num_nodes)
+
+
+def set_strategy_nodes(strategy: Any, num_nodes: int) -> None:
+    """Keep ``num_nodes`` where ``DDPStrategy.num_nodes`` reads it."""
+    strategy._num_nodes = num_nodes
+
+
+def parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """``(data_parallel_size, tensor_parallel_size)`` of a ``ModelParallelStrategy`` (either
+    may still be ``"auto"``)."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def set_data_parallel_size(strategy: Any, size: int) -> None:
+    """Set a ``ModelParallelStrategy``'s data-parallel size (before its environment set-up)."""
+    strategy._data_parallel_size = size
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend a ``DDPStrategy`` initialises its process group with."""
+    backend: str = strategy._get_process_group_backend()
+    return backend
+
+
+def process_group_timeout(strategy: Any) -> Any:
+    """The process-group timeout a Lightning strategy was given (``None`` when it keeps none)."""
+    return getattr(strategy, "_timeout", None)
+
+
+def callback_state_key(callback: Any, **kwargs: Any) -> str:
+    """A callback's ``state_key`` as Lightning's own callbacks form it (the class's qualified
+    name and ``kwargs``)."""
+    key: str = callback._generate_state_key(**kwargs)
+    return key
+
+
+def before_batch_transfer(module: Any, batch: Any) -> Any:
+    """``batch`` through the module's ``on_before_batch_transfer`` hook, as the training loop
+    calls it for a DataLoader's batch."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+def litdata_children(dataset: Any) -> Any:
+    """The datasets a LitData ``CombinedStreamingDataset``/``ParallelStreamingDataset``
+    combines (its ``_datasets``), or ``None``."""
+    return getattr(dataset, "_datasets", None)
 
 
 def trainer_of(module: Any) -> Any:

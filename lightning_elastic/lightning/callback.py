@@ -39,7 +39,10 @@ from typing_extensions import Unpack
 
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
+from lightning_elastic.core.forking_loaders import warn_forking_workers
 from lightning_elastic.core.observe.history import RunHistory
+from lightning_elastic.core.observe.lost_work import Resumed
+from lightning_elastic.core.observe.monitor import HealthMonitor, failure_phase
 from lightning_elastic.core.options import (
     MonitoringOptions,
     TierOptions,
@@ -50,8 +53,9 @@ from lightning_elastic.core.options import (
 )
 from lightning_elastic.core.policy.cadence import Cadence, CadenceOptions
 from lightning_elastic.core.policy.retention import RetentionPolicy
+from lightning_elastic.core.policy.schedule import SaveSchedule
 from lightning_elastic.errors import CheckpointSaveError, ConfigError, StaleWriterError
-from lightning_elastic.lightning._compat import checkpoint_after_batch
+from lightning_elastic.lightning._compat import callback_state_key, checkpoint_after_batch
 from lightning_elastic.lightning.checkpoint_options import (
     DeprecatedOptions,
     recorded_metrics,
@@ -59,15 +63,12 @@ from lightning_elastic.lightning.checkpoint_options import (
     session_options,
     translate,
 )
-from lightning_elastic.lightning.fork_safety import warn_forking_workers
-from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
     uninstall_dataloader_hook,
     uninstall_resume_hook,
 )
-from lightning_elastic.lightning.schedule import SaveSchedule
 from lightning_elastic.lightning.session import ElasticSession, ResumeCost
 from lightning_elastic.lightning.supported import check_strategy
 
@@ -227,7 +228,7 @@ class DistributedCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self.dirpath)
+        return callback_state_key(self, dirpath=self.dirpath)
 
     @property
     def engine(self) -> CheckpointEngine:

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,7 +44,11 @@ from lightning_elastic.core.load.load import Targets
 from lightning_elastic.core.options import check_count, check_duration
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
-from lightning_elastic.lightning._compat import unwrap_optimizer
+from lightning_elastic.lightning._compat import (
+    parallel_sizes,
+    set_data_parallel_size,
+    unwrap_optimizer,
+)
 from lightning_elastic.lightning.strategy import ElasticCheckpointing
 
 __all__ = ["ElasticFSDPStrategy"]
@@ -121,17 +125,18 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
-        tensor = int(self._tensor_parallel_size)
+        data, tensor = parallel_sizes(self)
+        tensor = int(tensor)
         if world % tensor:
             raise ConfigError(
                 f"tensor_parallel_size={tensor} does not divide the world size {world}: "
                 "run on a multiple of it"
             )
         if self._auto_data_parallel:
-            self._data_parallel_size = world // tensor
-        elif int(self._data_parallel_size) * tensor != world:
+            set_data_parallel_size(self, world // tensor)
+        elif int(data) * tensor != world:
             raise ConfigError(
-                f"data_parallel_size={self._data_parallel_size} x tensor_parallel_size="
+                f"data_parallel_size={data} x tensor_parallel_size="
                 f"{tensor} is not the world size {world}; pass data_parallel_size='auto' to "
                 "follow the world when it changes"
             )
@@ -253,10 +258,3 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
     def _fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
-
-
-StrategyRegistry.register(
-    "elastic_fsdp",
-    ElasticFSDPStrategy,
-    description="FSDP2 with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
-)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic.errors import DataShardingError
+from lightning_elastic.lightning._compat import litdata_children
 
 __all__ = ["check_ranks", "is_streaming_loader", "streaming_datasets"]
 
@@ -49,7 +50,7 @@ def streaming_datasets(dataset: object) -> list[Any]:
     ``CombinedStreamingDataset`` / ``ParallelStreamingDataset`` combines."""
     if _from_litdata(dataset, "StreamingDataset"):
         return [dataset]
-    children = getattr(dataset, "_datasets", None)
+    children = litdata_children(dataset)
     if not type(dataset).__module__.startswith("litdata.") or not isinstance(children, list):
         return []
     return [child for c in children for child in streaming_datasets(c)]

@@ -15,7 +15,7 @@ Saved per rank with every checkpoint by :func:`capture`, as one JSON document (s
 * every ``self.log`` of the training hooks (the training loop's result collection): its
   arguments, its accumulators (sum, count, maximum or minimum of the epoch so far), its last
   step value; a logged torchmetrics ``Metric`` by its attribute (its state is saved by
-  :mod:`~lightning_elastic.lightning.metrics`);
+  :mod:`~lightning_elastic.lightning.torchmetrics_state`);
 * where the loop stands for ``self.log`` (the last hook that logged, whether the save was
   taken at a batch's start and at the epoch's first) and whether the epoch's accumulators
   were live: from its start to its end, validations inside it included (where Lightning's

@@ -40,7 +40,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
@@ -50,7 +50,13 @@ from lightning_elastic.core.options import check_choice, check_signals
 from lightning_elastic.core.policy.triggers import SignalFlag
 from lightning_elastic.core.replicas.group import ReplicaGroup, ReplicaOptions, unflatten_into
 from lightning_elastic.errors import ConfigError, ReplicaGroupError
-from lightning_elastic.lightning._compat import set_closure_batch, training_results
+from lightning_elastic.lightning._compat import (
+    before_batch_transfer,
+    set_closure_batch,
+    trainer_of,
+    training_results,
+    validates_by_time,
+)
 from lightning_elastic.lightning.replica_data import (
     ReplicaBatchSampler,
     ReplicaData,
@@ -440,7 +446,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
 
     def _fit_trainer(self) -> Any:
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = trainer_of(module) if module is not None else None
         if trainer is None or self.replicas is None or not trainer.training:
             return None
         return trainer
@@ -514,7 +520,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         batch = trainer.precision_plugin.convert_input(batch)
         module = self.lightning_module
         assert module is not None
-        return module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return before_batch_transfer(module, batch)
 
     def _set_epoch_length(self, trainer: Any) -> None:
         """The loop's epoch ends when the queue is empty: ``num_training_batches`` is the
@@ -526,7 +532,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             ready -= self._micro_batch(trainer)  # the window's rounds are still in the queue
         loop.max_batches = ready + self._data.rounds_left()
         interval = trainer.val_check_interval
-        if isinstance(interval, float) and not getattr(trainer, "_val_check_time_interval", None):
+        if isinstance(interval, float) and not validates_by_time(trainer):
             trainer.val_check_batch = max(1, int(loop.max_batches * interval))
 
     def _params(self) -> list[torch.Tensor]:
@@ -544,10 +550,3 @@ def _grad_of(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
-
-
-StrategyRegistry.register(
-    "elastic_ft",
-    ElasticFTStrategy,
-    description="replica groups that leave and join without a restart (lightning_elastic, torchft)",
-)

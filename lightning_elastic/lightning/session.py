@@ -49,13 +49,13 @@ from lightning_elastic.lightning._compat import (
     training_epoch_open,
 )
 from lightning_elastic.lightning.loader_states import LoaderStates
-from lightning_elastic.lightning.metrics import (
+from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
+from lightning_elastic.lightning.torchmetrics_state import (
     fold_metric_states,
     metric_states,
     reset_metrics,
     restore_metric_states,
 )
-from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -29,7 +29,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
@@ -47,7 +47,17 @@ from lightning_elastic.core.options import (
 )
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
-from lightning_elastic.lightning._compat import optimizer_to_device, trainer_of, unwrap_optimizer
+from lightning_elastic.lightning._compat import (
+    optimizer_to_device,
+    process_group_backend,
+    process_group_timeout,
+    set_strategy_devices,
+    set_strategy_nodes,
+    strategy_devices,
+    strategy_nodes,
+    trainer_of,
+    unwrap_optimizer,
+)
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
 from lightning_elastic.lightning.session import ElasticSession
 
@@ -66,8 +76,6 @@ class ElasticCheckpointing:
     # set by the Lightning base strategy
     lightning_module: Any
     is_global_zero: bool
-    _parallel_devices: list[torch.device] | None
-    _num_nodes: int
 
     def _configure_checkpoints(
         self,
@@ -98,7 +106,8 @@ class ElasticCheckpointing:
     @property
     def parallel_devices(self) -> list[torch.device] | None:
         """The devices of this node; under torchrun, one per local rank (``LOCAL_WORLD_SIZE``)."""
-        return self._parallel_devices
+        devices: list[torch.device] | None = strategy_devices(self)
+        return devices
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
@@ -108,19 +117,19 @@ class ElasticCheckpointing:
             devices = [
                 torch.device(kind) if kind == "cpu" else torch.device(kind, i) for i in range(local)
             ]
-        self._parallel_devices = devices
+        set_strategy_devices(self, devices)
 
     @property
     def num_nodes(self) -> int:
         """The number of nodes; under torchrun, ``WORLD_SIZE // LOCAL_WORLD_SIZE``."""
-        return self._num_nodes
+        return strategy_nodes(self)
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         world, local = _torchrun("WORLD_SIZE"), _torchrun("LOCAL_WORLD_SIZE")
         if world and local and world % local == 0:
             num_nodes = world // local
-        self._num_nodes = num_nodes
+        set_strategy_nodes(self, num_nodes)
 
     # ------------------------------------------------------------------ setup and data
 
@@ -142,10 +151,10 @@ class ElasticCheckpointing:
         self.set_world_ranks()  # type: ignore[attr-defined]
         device = self.root_device  # type: ignore[attr-defined]
         dist.init_process_group(
-            self._get_process_group_backend(),  # type: ignore[attr-defined]
+            process_group_backend(self),
             rank=self.global_rank,  # type: ignore[attr-defined]
             world_size=self.world_size,  # type: ignore[attr-defined]
-            timeout=getattr(self, "_timeout", None) or default_pg_timeout,
+            timeout=process_group_timeout(self) or default_pg_timeout,
             store=attempt_store(),
             device_id=device if device.type != "cpu" else None,
         )
@@ -414,10 +423,3 @@ def _torchrun(name: str) -> int | None:
         return None
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() else None
-
-
-StrategyRegistry.register(
-    "elastic",
-    ElasticStrategy,
-    description="DDP with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
-)
