@@ -1,5 +1,6 @@
-"""Rank functions for tests/faults/test_tier_hostile4.py (the fourth hostile review of
-multi-tier checkpoints, through Lightning). Module level, so they pickle.
+"""Lightning rank functions for the tier tests that fit, validate or test through a Trainer
+(``ckpt_path``, resumes, world-size changes, ``ls --local`` layouts, node ids). Module level,
+so they pickle.
 
 Each rank is its own "node" (``names[rank]``) with its own local root ``<root>/local/<node>``
 unless ``local_dirpath`` is given."""

@@ -1,4 +1,5 @@
-"""Lightning rank functions for tests/lightning/test_tier_hostile2.py."""
+"""Lightning rank functions for test_lightning_resume.py and test_ckpt_path.py: a fit with tiers
+that may raise at a given step, reporting where it resumed from and how it ended."""
 
 from __future__ import annotations
 
