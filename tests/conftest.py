@@ -54,6 +54,11 @@ _CLI = "lightning_elastic.cli import main"  # with the verb "run" beside it: lig
 _OURS = ("tests.", "lightning_elastic.testing")
 
 
+def _ours(module: str) -> bool:
+    """Code the walk follows: the tests' and lightning_elastic.testing's, not this walk's own."""
+    return module.startswith(_OURS) and module != __name__
+
+
 def _starters() -> set[int]:
     if not _STARTERS:
         import multiprocessing
@@ -114,14 +119,14 @@ class _Reach:
         elif isinstance(obj, types.ModuleType):
             if obj.__name__ in _STARTER_MODULES:
                 self.spawns = True
-            elif obj.__name__.startswith(_OURS):
+            elif _ours(obj.__name__):
                 for name in names:  # the attributes the referring code reads, e.g. w.fit
                     if name in vars(obj):
                         self.obj(vars(obj)[name], names)
-        elif isinstance(obj, types.FunctionType) and obj.__module__.startswith(_OURS):
+        elif isinstance(obj, types.FunctionType) and _ours(obj.__module__):
             self.words([obj.__defaults__, *(obj.__kwdefaults__ or {}).values()])
             self.code(obj.__code__, obj.__globals__, obj.__doc__)
-        elif isinstance(obj, type) and obj.__module__.startswith(_OURS):
+        elif isinstance(obj, type) and _ours(obj.__module__):
             for value in vars(obj).values():
                 if callable(getattr(value, "__func__", value)):
                     self.obj(getattr(value, "__func__", value))
