@@ -1,6 +1,8 @@
 import itertools
 import os
-from collections.abc import Iterator
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -30,3 +32,135 @@ def any_root(request: pytest.FixtureRequest, tmp_path) -> tuple[str, dict]:
         return f"memory://suite-{os.getpid()}-{next(_buckets)}/ckpts", {}
     server = request.getfixturevalue("s3_server")
     return server.create_bucket(f"suite-{next(_buckets)}") + "/ckpts", server.storage_options
+
+
+# ------------------------------------------------------------------------------------ markers
+# ``multiprocess``, ``torchrun`` and ``s3`` are put on each test here, from what the test can
+# reach, so that a new test is marked without anyone remembering to: ``pytest -m "not
+# multiprocess"`` is the fast subset for the edit-test loop (README, "Tests").
+#
+# A test is ``multiprocess`` when its function, a fixture it uses, or a helper they call (in
+# tests/ or lightning_elastic/testing/, followed through module attributes such as
+# ``workers.fit``) calls one of the process starters below or names Lightning's ``ddp_spawn``;
+# ``torchrun`` when what it reaches names torch's elastic launcher or ``lightning-elastic run``
+# (also ``multiprocess``); ``s3`` when it uses the moto server (``s3_server``, ``s3_root``, the
+# ``s3`` case of ``any_root``). The walk reads code objects only: nothing is called.
+
+_STARTERS: set[int] = set()
+_STARTER_MODULES = {"subprocess", "multiprocessing", "torch.multiprocessing"}
+_SPAWN_WORDS = ("ddp_spawn",)
+_TORCHRUN_WORDS = ("torch.distributed.run", "torchrun")
+_CLI = "lightning_elastic.cli import main"  # with the verb "run" beside it: lightning-elastic run
+_OURS = ("tests.", "lightning_elastic.testing")
+
+
+def _ours(module: str) -> bool:
+    """Code the walk follows: the tests' and lightning_elastic.testing's, not this walk's own."""
+    return module.startswith(_OURS) and module != __name__
+
+
+def _starters() -> set[int]:
+    if not _STARTERS:
+        import multiprocessing
+        import subprocess
+
+        import torch.multiprocessing
+
+        from lightning_elastic.testing import spawn
+
+        for obj in (
+            spawn.run_distributed,
+            subprocess.Popen,
+            subprocess.run,
+            subprocess.call,
+            subprocess.check_call,
+            subprocess.check_output,
+            multiprocessing.Process,
+            multiprocessing.Pool,
+            multiprocessing.get_context,
+            torch.multiprocessing.spawn,
+            torch.multiprocessing.start_processes,
+        ):
+            _STARTERS.add(id(obj))
+    return _STARTERS
+
+
+def _strings(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, tuple | list | frozenset):
+        for item in value:
+            yield from _strings(item)
+
+
+class _Reach:
+    """What a test can reach: ``spawns`` and ``torchrun`` once seen."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.spawns = False
+        self.torchrun = False
+
+    def words(self, values: Iterable[object]) -> None:
+        texts = [s for v in values for s in _strings(v)]
+        if any(w in t for t in texts for w in _TORCHRUN_WORDS) or (
+            "run" in texts and any(_CLI in t for t in texts)
+        ):
+            self.torchrun = self.spawns = True
+        elif any(w in t for t in texts for w in _SPAWN_WORDS):
+            self.spawns = True
+
+    def obj(self, obj: object, names: Sequence[str] = ()) -> None:
+        if id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if id(obj) in _starters():
+            self.spawns = True
+        elif isinstance(obj, types.ModuleType):
+            if obj.__name__ in _STARTER_MODULES:
+                self.spawns = True
+            elif _ours(obj.__name__):
+                for name in names:  # the attributes the referring code reads, e.g. w.fit
+                    if name in vars(obj):
+                        self.obj(vars(obj)[name], names)
+        elif isinstance(obj, types.FunctionType) and _ours(obj.__module__):
+            self.words([obj.__defaults__, *(obj.__kwdefaults__ or {}).values()])
+            self.code(obj.__code__, obj.__globals__, obj.__doc__)
+        elif isinstance(obj, type) and _ours(obj.__module__):
+            for value in vars(obj).values():
+                if callable(getattr(value, "__func__", value)):
+                    self.obj(getattr(value, "__func__", value))
+
+    def code(self, code: types.CodeType, globals_: dict[str, Any], doc: str | None = None) -> None:
+        texts = [c for c in code.co_consts if not isinstance(c, types.CodeType) and c != doc]
+        for name in code.co_names:
+            value = globals_.get(name)
+            if isinstance(value, str | tuple | list):
+                texts.append(value)  # a module constant: a command line, a launcher
+            elif name in globals_:
+                self.obj(value, code.co_names)
+        self.words(texts)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                self.code(const, globals_)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        reach = _Reach()
+        reach.obj(item.function)
+        fixtures = item._fixtureinfo.name2fixturedefs
+        for name in item.fixturenames:
+            for fixture in fixtures.get(name, ()):
+                reach.obj(fixture.func)
+        params = getattr(item, "callspec", None)
+        if {"s3_server", "s3_root"} & set(item.fixturenames) or (
+            params is not None and params.params.get("any_root") == "s3"
+        ):
+            item.add_marker(pytest.mark.s3)
+        if reach.torchrun:
+            item.add_marker(pytest.mark.torchrun)
+        if reach.spawns:
+            item.add_marker(pytest.mark.multiprocess)

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy
-from tests.lightning.models import IdDataset, TinyModule, make_trainer
+from tests.lightning.models import IdDataset, TinyModule, fit_outcome, make_trainer
 
 
 class ValModule(TinyModule):
@@ -119,18 +119,10 @@ def fit(
         callbacks=[early, checkpoint],
         **(trainer_kwargs or {}),
     )
-    out: dict[str, Any] = {}
-    try:
-        trainer.fit(model)
-    except SystemExit as exc:
-        out["exit"] = exc.code
+    out = fit_outcome(trainer, model, checkpoint)
     out.update(
         records=model.records,
         val_losses=model.val_losses,
-        seen=model.seen,
-        global_step=trainer.global_step,
-        resumed_from=trainer.ckpt_path,
-        preempted_by=checkpoint.preempted_by,
         wait_count=early.wait_count,
         lrs=[group["lr"] for group in trainer.optimizers[0].param_groups],
     )

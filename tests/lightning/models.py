@@ -139,3 +139,42 @@ def make_trainer(
         num_sanity_val_steps=0,
         **kwargs,
     )
+
+
+def fit_outcome(
+    trainer: pl.Trainer,
+    model: TinyModule,
+    checkpoint: Any = None,
+    *,
+    ckpt_path: str | None = None,
+    errors: tuple[type[Exception], ...] = (),
+) -> dict[str, Any]:
+    """Fit ``model`` and return what the rank functions report of it: how the fit stopped
+    early (``exit``: a signal's SystemExit code; ``error``: the message of one of ``errors``),
+    the steps trained (``losses``, ``seen``, ``first_step``), ``global_step`` and
+    ``resumed_from`` (``trainer.ckpt_path``), and, given the checkpoint callback, its ``last``,
+    ``best``, ``preempted_by`` and ``recovery``. The one fit-and-report harness of the rank
+    functions (tests/lightning/workers.py, boundary_workers.py, tests/tiers/*_workers.py): each
+    adds its own fields to the dict."""
+    out: dict[str, Any] = {}
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except SystemExit as exc:
+        out["exit"] = exc.code
+    except errors as exc:
+        out["error"] = str(exc)
+    out.update(
+        losses=model.losses,
+        seen=model.seen,
+        first_step=model.losses[0][0] if model.losses else None,
+        global_step=trainer.global_step,
+        resumed_from=trainer.ckpt_path,
+    )
+    if checkpoint is not None:
+        out.update(
+            last=checkpoint.last_model_path,
+            best=checkpoint.best_model_path,
+            preempted_by=checkpoint.preempted_by,
+            recovery=checkpoint.recovery,
+        )
+    return out

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy
-from tests.lightning.models import TinyModule, make_trainer
+from tests.lightning.models import TinyModule, fit_outcome, make_trainer
 
 
 def _strategy(name: str) -> Any:
@@ -35,21 +35,9 @@ def fit(
         devices=devices,
         callbacks=[checkpoint],
     )
-    out: dict[str, Any] = {}
-    try:
-        trainer.fit(model)
-    except SystemExit as exc:
-        out["exit"] = exc.code
-    out.update(
-        losses=model.losses,
-        seen=model.seen,
-        global_step=trainer.global_step,
-        last=checkpoint.last_model_path,
-        best=checkpoint.best_model_path,
-        resumed_from=trainer.ckpt_path,
-        resume_cost=dataclasses.asdict(checkpoint.resume_cost) if checkpoint.resume_cost else None,
-        preempted_by=checkpoint.preempted_by,
-        recovery=checkpoint.recovery,
+    out = fit_outcome(trainer, model, checkpoint)
+    out["resume_cost"] = (
+        dataclasses.asdict(checkpoint.resume_cost) if checkpoint.resume_cost else None
     )
     return out
 

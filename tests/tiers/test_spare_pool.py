@@ -1,17 +1,22 @@
-"""Hostile conditions for a local root's spare pool (core/storage/local.py, SparePool): links
+"""A local root's spare pool (core/storage/local.py, SparePool) under hostile conditions: links
 planted where the pool lives, writes killed while they overwrite a spare, and writers still
-busy with a file that a delete hands to the pool."""
+busy with a file that a delete hands to the pool; the trim after each save (``SparePool.trim``,
+``TierSet._size_spares``) when a spare cannot be deleted."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from lightning_elastic import Storage
+from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.storage.local import SPARE_MIN_BYTES, LocalStorage
 from lightning_elastic.core.tiers.inventory import adoptable, scan_node
 
@@ -228,3 +233,83 @@ def test_a_size_hint_and_retire_change_nothing_on_a_storage_that_is_not_local() 
     storage.retire("a/b")
     storage.delete_tree("a")
     assert not storage.exists("a/b") and not storage.exists("a/c")
+
+
+# ----------------------------------------------------------------------- the trim after each save
+
+
+def plant(pool: Path, name: str, size: int) -> Path:
+    pool.mkdir(parents=True, exist_ok=True)
+    path = pool / f"{name}.spare"
+    path.write_bytes(b"\xee" * size)
+    return path
+
+
+def undeletable_spares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting a ``*.spare`` file fails with EPERM (a file made immutable, a pool folder of
+    another owner): everything else deletes as usual."""
+    real = os.unlink
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path).endswith(".spare"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", os.fspath(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+
+
+def test_a_spare_trim_cannot_delete_stays_counted_and_the_others_go(tmp_path) -> None:
+    """The largest spare turns into a folder between trim's listing and its delete (another
+    process took it and planted one): trim does not raise, counts what it could not delete,
+    and deletes the next largest until the pool fits."""
+    storage = Storage(str(tmp_path / "root"))
+    assert isinstance(storage, LocalStorage)
+    pool = storage.keep_spares()
+    folder = Path(pool.directory)
+    big = plant(folder, "big", 5 * MIB)
+    plant(folder, "mid", 3 * MIB)
+    plant(folder, "small", 2 * MIB)
+    listed = pool._spares
+
+    def racing() -> list[tuple[int, str]]:
+        out = listed()
+        big.unlink()
+        big.mkdir()  # a folder where the listing saw the largest spare
+        return out
+
+    pool._spares = racing  # type: ignore[method-assign]
+    pool.trim(8 * MIB)
+    assert sorted(p.name for p in folder.iterdir()) == ["big.spare", "small.spare"]
+    assert big.is_dir()
+
+
+def test_a_spare_that_cannot_be_deleted_fails_no_save_and_retention_goes_on(
+    tmp_path, monkeypatch
+) -> None:
+    """A killed run left spares larger than a save writes, and they cannot be deleted: the
+    trim after each save used to raise out of the save's background part on the node's lead,
+    so every save failed after its commit, local retention never ran again (the node-local
+    tier in /dev/shm grew with every save) and nothing was persisted; close raised too."""
+    local = tmp_path / "local"
+    for i in range(3):
+        plant(local / ".spares", f"killed{i}", 8 * MIB)
+    undeletable_spares(monkeypatch)
+    eng = CheckpointEngine(
+        tmp_path / "persistent",
+        local_root=local,
+        async_save=False,
+        persist_every_n_saves=2,
+    )
+    with eng:
+        for step in range(1, 6):
+            state = {"w": torch.arange(1 << 19, dtype=torch.float32) + step, "step": step}
+            eng.save(state, step=step).result()
+        eng.wait()
+    kept = sorted(n for n in os.listdir(local) if n.startswith("step_"))
+    assert kept == ["step_000000004", "step_000000005"]
+    persisted = sorted(n for n in os.listdir(tmp_path / "persistent") if n.startswith("step_"))
+    # step 4 persists unless step 2 still uploads then (the next save persists instead)
+    assert persisted in (
+        ["step_000000002", "step_000000004"],
+        ["step_000000002", "step_000000005"],
+    ), persisted

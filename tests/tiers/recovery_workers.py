@@ -1,6 +1,7 @@
-"""Rank functions for the third hostile review of multi-tier checkpoints (need-based
-recovery, small replicated items on rank 0, replicas sent from the staged payload, the
-retention trim after an upload). Module level, so they pickle."""
+"""Rank functions for recovery from node-local copies (test_partial_recovery.py,
+test_uncommitted_copies.py): need-based recovery, small replicated items on rank 0, replicas
+sent from the staged payload, a rank 0 silent after its local commit. Module level, so they
+pickle."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank functions for the hostile review of pipelined checkpoint file transfers
+"""Rank functions for pipelined checkpoint file transfers under hostile storage and messages
 (core/tiers/transfer.py: the sender reads the next chunk while the last is in flight, the
 receiver receives the next chunk on a thread while it writes the last). Module level, so
 they pickle. Each rank has its own directory ``<root>/node<rank>`` (its node-local storage).

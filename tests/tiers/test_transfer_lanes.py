@@ -1,21 +1,27 @@
-"""Hostile review of the two directions of the node-to-node transfers (core/tiers/transfer.py):
+"""The two directions of the node-to-node transfers (core/tiers/transfer.py):
 a rank sends its transfers (calling thread) while it receives its own (thread
 ``le-transfer-in``), each direction in list order, on one gloo group, each transfer's
 messages tagged with its index. Interrupts in one direction while the other is busy,
-threads outliving the call, cycles and many transfers between one pair. gloo on CPU."""
+threads outliving the call, cycles and many transfers between one pair. gloo on CPU. Last,
+in one process with hand-made lanes: how a call raises when both directions crash
+(``transfer._raise_crash``)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from lightning_elastic import Storage
+from lightning_elastic.core.tiers import transfer
 from lightning_elastic.core.tiers.transfer import execute_transfers
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.testing.spawn import run_distributed
 from tests.distributed.test_tier_transfer import data, leftovers, move, on_node
-from tests.faults import transfer_lanes_hostile_workers as lane_workers
+from tests.tiers import transfer_lanes_workers as lane_workers
 
 
 def run(root: Path, world: int, files: dict, transfers: list, **kwargs) -> list[dict]:
@@ -313,3 +319,67 @@ def test_a_timeout_in_one_direction_fails_the_other_in_mid_stream_and_a_new_grou
         assert on_node(tmp_path, dst, f"s/new{i}").read_bytes() == fresh[f"s/new{i}"]
     assert results[0]["second"]["stats"].files_received == 2
     assert not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------- both directions crashing, one process
+
+
+def lanes(sending: BaseException | None, receiving: BaseException | None) -> list[Any]:
+    return [
+        SimpleNamespace(crashed=sending, sending=True),
+        SimpleNamespace(crashed=receiving, sending=False),
+    ]
+
+
+class NoNotes(Exception):
+    """An exception whose ``__notes__`` is not a list: ``add_note`` raises TypeError."""
+
+    @property
+    def __notes__(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ()
+
+
+class BadRepr(Exception):
+    def __repr__(self) -> str:
+        raise RuntimeError("repr failed")
+
+
+@pytest.mark.parametrize(
+    ("sent", "received"),
+    [
+        (NoNotes("sending broke"), RuntimeError("receiving broke")),
+        (RuntimeError("sending broke"), BadRepr("receiving broke")),
+    ],
+    ids=["add_note-fails", "repr-fails"],
+)
+def test_the_sending_crash_is_raised_even_when_naming_the_other_fails(
+    sent: BaseException, received: BaseException, caplog
+) -> None:
+    """Naming the receiving direction's crash in a note of the sending one's failed (an
+    exception that takes no notes, or whose repr raises): the note's TypeError/RuntimeError
+    was raised instead, and the sending direction's crash was lost."""
+    with caplog.at_level(logging.ERROR), pytest.raises(BaseException) as info:
+        transfer._raise_crash(lanes(sent, received))
+    assert info.value is sent
+    assert any(r.exc_info and r.exc_info[1] is received for r in caplog.records)
+
+
+def test_one_exception_in_both_directions_is_raised_once_without_a_note(caplog) -> None:
+    crash = KeyboardInterrupt()
+    with caplog.at_level(logging.ERROR), pytest.raises(KeyboardInterrupt) as info:
+        transfer._raise_crash(lanes(crash, crash))
+    assert info.value is crash
+    assert not getattr(crash, "__notes__", [])
+    assert not caplog.records
+
+
+def test_an_interrupt_in_the_receiving_direction_is_named_and_logged(caplog) -> None:
+    """A BaseException in the other direction is logged with its traceback and named."""
+    sent, received = RuntimeError("sending broke"), KeyboardInterrupt("receiving")
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError) as info:
+        transfer._raise_crash(lanes(sent, received))
+    assert info.value is sent
+    assert info.value.__notes__ == [
+        "the receiving direction crashed too: KeyboardInterrupt('receiving')"
+    ]
+    assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [received]

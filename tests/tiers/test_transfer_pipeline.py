@@ -1,4 +1,4 @@
-"""Hostile review of the pipelined node-to-node transfers (core/tiers/transfer.py): each
+"""The pipelined node-to-node transfers (core/tiers/transfer.py): each
 side works one chunk ahead with two buffers used in turn (the sender reads the next chunk
 while the last is in flight with isend, the receiver receives the next chunk on a thread
 while it writes the last). Buffer reuse, failures in mid-stream on either side, storage
@@ -13,7 +13,7 @@ import pytest
 from lightning_elastic.core.tiers import TransferIntegrityError
 from lightning_elastic.testing.spawn import run_distributed
 from tests.distributed.test_tier_transfer import data, leftovers, move, on_node
-from tests.faults import transfer_hostile_workers as workers
+from tests.tiers import transfer_pipeline_workers as workers
 
 
 def run(root: Path, world: int, files: dict, transfers: list, **kwargs) -> list[dict]:

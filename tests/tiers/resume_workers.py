@@ -1,4 +1,5 @@
-"""Lightning rank functions for tests/lightning/test_tier_hostile2.py."""
+"""Lightning rank functions for test_lightning_resume.py and test_ckpt_path.py: a fit with tiers
+that may raise at a given step, reporting where it resumed from and how it ended."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy
-from tests.lightning.models import TinyModule, make_trainer
+from tests.lightning.models import TinyModule, fit_outcome, make_trainer
 
 
 class Raising(TinyModule):
@@ -37,17 +38,4 @@ def fit(
     trainer = make_trainer(
         root, max_steps=max_steps, strategy=ElasticStrategy(), callbacks=[checkpoint]
     )
-    out: dict[str, Any] = {}
-    try:
-        trainer.fit(model, ckpt_path=ckpt_path)
-    except SystemExit as exc:
-        out["exit"] = exc.code
-    except RuntimeError as exc:
-        out["error"] = str(exc)
-    out.update(
-        first_step=model.losses[0][0] if model.losses else None,
-        global_step=trainer.global_step,
-        resumed_from=trainer.ckpt_path,
-        recovery=checkpoint.recovery,
-    )
-    return out
+    return fit_outcome(trainer, model, checkpoint, ckpt_path=ckpt_path, errors=(RuntimeError,))

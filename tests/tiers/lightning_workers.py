@@ -1,5 +1,6 @@
-"""Rank functions for tests/faults/test_tier_hostile4.py (the fourth hostile review of
-multi-tier checkpoints, through Lightning). Module level, so they pickle.
+"""Lightning rank functions for the tier tests that fit, validate or test through a Trainer
+(``ckpt_path``, resumes, world-size changes, ``ls --local`` layouts, node ids). Module level,
+so they pickle.
 
 Each rank is its own "node" (``names[rank]``) with its own local root ``<root>/local/<node>``
 unless ``local_dirpath`` is given."""
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy, TierOptions
-from tests.lightning.models import IdDataset, TinyModule, make_trainer
+from tests.lightning.models import IdDataset, TinyModule, fit_outcome, make_trainer
 
 
 class Scored(TinyModule):
@@ -99,22 +100,8 @@ def fit(
         callbacks=[checkpoint],
         limit_val_batches=0,
     )
-    out: dict[str, Any] = {}
-    try:
-        trainer.fit(model)
-    except SystemExit as exc:
-        out["exit"] = exc.code
-    out.update(
-        losses=model.losses,
-        seen=model.seen,
-        global_step=trainer.global_step,
-        first_step=model.losses[0][0] if model.losses else None,
-        last=checkpoint.last_model_path,
-        best=checkpoint.best_model_path,
-        best_score=checkpoint.best_model_score,
-        recovery=checkpoint.recovery,
-        weights=weights_sum(model),
-    )
+    out = fit_outcome(trainer, model, checkpoint)
+    out.update(best_score=checkpoint.best_model_score, weights=weights_sum(model))
     return out
 
 

@@ -1,5 +1,5 @@
-"""Rank functions for the fifth hostile review of multi-tier checkpoints (a save whose commit
-reached rank 0's node only, node ids checked per rank). Module level, so they pickle."""
+"""Rank functions for node ids checked per rank (test_local_root_checks.py): one rank's id is
+illegal, every rank must fail with ConfigError. Module level, so they pickle."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Rank functions for the hostile review of the two directions of checkpoint file transfers
+"""Rank functions for the two directions of checkpoint file transfers
 (core/tiers/transfer.py: a rank sends its transfers on the calling thread while it receives
 its own on a thread). Module level, so they pickle.
 
 :func:`lanes_worker` applies this module's ``lane_hooks`` (``(rank, name, kwargs)``: they
 patch module-level code, and record what they see in ``SEEN``), then runs
-:func:`~tests.faults.transfer_hostile_workers.hostile_worker` (its own storage ``hooks``).
+:func:`~tests.tiers.transfer_pipeline_workers.hostile_worker` (its own storage ``hooks``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from lightning_elastic.core.tiers import transfer
-from tests.faults import transfer_hostile_workers as workers
+from tests.tiers import transfer_pipeline_workers as workers
 
 SEEN: dict[str, Any] = {}
 

@@ -1,5 +1,6 @@
-"""Rank functions for tests/faults/test_tier_hostile.py and test_tier_hostile2.py (the two
-hostile reviews of #11; module level, so they pickle).
+"""Rank functions that run a tiered CheckpointEngine on two or three "nodes" of this machine,
+for the rollback, persist/replicate and local-root tests of this folder (module level, so they
+pickle).
 
 Rank ``r`` runs on node ``nodes[r]``; node-local roots ``<root>/local_<node>``, the persistent
 root ``<root>/persistent`` (unless given). ``tag`` marks which branch a state came from."""
