@@ -31,6 +31,7 @@ _EXPORTS = {
     "RetryPolicy": "lightning_elastic.core.storage.retry",
     "Storage": "lightning_elastic.core.storage.base",
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
+    "ElasticCheckpointIO": "lightning_elastic.lightning.checkpoint_io",
     "ElasticSampler": "lightning_elastic.lightning.data",
     "ElasticFSDPStrategy": "lightning_elastic.lightning.fsdp",
     "ElasticFTStrategy": "lightning_elastic.lightning.replicas",
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
         WorldSizeError,
     )
     from lightning_elastic.lightning.callback import DistributedCheckpoint
+    from lightning_elastic.lightning.checkpoint_io import ElasticCheckpointIO
     from lightning_elastic.lightning.data import ElasticSampler
     from lightning_elastic.lightning.fork_safety import ForkingWorkersWarning
     from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
