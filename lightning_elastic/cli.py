@@ -260,6 +260,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     _progress_flag(p)
     p.set_defaults(func=_consolidate)
+    from lightning_elastic import cli_import  # the verb's module (no torch until it runs)
+
+    p = verb("import", cli_import.HELP)
+    cli_import.add_arguments(p)
+    p.set_defaults(func=lambda args: cli_import.run(args, _options(args)))
     p = verb(
         "report",
         "summarize the runs of a directory: checkpoints, world size, resumes, lost work, "
