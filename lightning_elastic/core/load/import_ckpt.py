@@ -145,7 +145,9 @@ def _read_dcp(path: str, trusted: bool) -> dict[str, Any]:
     def read_object(buffer: io.BytesIO, fqn: str) -> Any:
         return load_object(buffer, fqn, trusted=trusted)
 
-    state = _int_optimizer_keys(read_dcp_directory(path, read_metadata, read_object))
+    state: dict[str, Any] = _int_optimizer_keys(
+        read_dcp_directory(path, read_metadata, read_object)
+    )
     meta = os.path.join(path, _LIGHTNING_META)
     if os.path.isfile(meta):  # Lightning's FSDP/ModelParallel layout: back to its .ckpt dict
         rest = load_file(meta, trusted=trusted)
