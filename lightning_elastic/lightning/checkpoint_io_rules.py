@@ -22,13 +22,16 @@ strategy's (which are what call ``checkpoint_io``). Read from Lightning 2.6's so
   (``XLACheckpointIO`` only). Fabric's FSDP and ModelParallel strategies take no plugin at all.
 
 **``ckpt_path="last"``.** Lightning picks the ``last*.ckpt`` path with the newest
-modification time. With this plugin the string becomes a :class:`LastCheckpoint` (in
-:mod:`.aliases`' wrapper of ``_parse_ckpt_path``) that the plugin resolves when the strategy
-loads it, on every rank after the set-up barrier (a rank-0 save of the previous ``fit`` is
-committed by then): the newest committed checkpoint, in commit order, of the
-``ModelCheckpoint`` directories that verifies, or a newer plain ``last*.ckpt`` file of
-Lightning's. Skipped corrupt ones are warned about, the choice is logged, and
-``trainer.ckpt_path`` names it.
+modification time. With this plugin, when a ``ModelCheckpoint`` directory holds any checkpoint
+directory of ours, the string becomes a :class:`LastCheckpoint` (in :mod:`.aliases`' wrapper
+of ``_parse_ckpt_path``) that the plugin resolves when the strategy loads it, on every rank
+after the set-up barrier (a rank-0 save of the previous ``fit`` is committed by then): the
+newest committed checkpoint, in commit order, of the ``ModelCheckpoint`` directories that
+verifies, or a newer plain ``last*.ckpt`` file of Lightning's. Skipped corrupt ones are warned
+about, the choice is logged, and ``trainer.ckpt_path`` names it; when none verifies,
+:class:`~lightning_elastic.errors.CheckpointNotFoundError` says why for each. Directories
+without any of ours go through Lightning's own resolution (a first run: "no last checkpoint",
+and training starts fresh).
 """
 
 from __future__ import annotations
@@ -182,7 +185,10 @@ def last_checkpoint(trainer: Any, fn: str) -> LastCheckpoint | None:
             directories.append(split_location(callback.ckpt_path)[0])
             files += [callback.ckpt_path] if _is_file(callback.ckpt_path) else []
     options = plugin.storage_options
-    if not any(_committed(d, options) for d in directories):
+    # Decided on every rank before the set-up barrier, while rank 0 may still be committing
+    # the previous fit's last save: any directory of ours counts, committed or not (a save's
+    # directory is claimed before trainer.save_checkpoint's barrier), so all ranks agree.
+    if not any(_scan(d, options) for d in directories):
         return None
     return LastCheckpoint(directories, files, trainer, fn)
 
@@ -221,9 +227,11 @@ def load_last(
         rank_zero_info(message)
         set_ckpt_path(last.trainer, location)
         return checkpoint
+    for directory in last.directories:  # never committed: a crashed save's leftovers
+        skipped += [f"{i.location}: {i.problem}" for i in _scan(directory, plugin.storage_options)]
     raise CheckpointNotFoundError(
         f'{last.fn}(ckpt_path="last"): no checkpoint of {", ".join(last.directories)} '
-        "verifies: " + ("; ".join(skipped) or "none is left")
+        "verifies: " + ("; ".join(dict.fromkeys(skipped)) or "none is left")
     )
 
 
@@ -242,14 +250,15 @@ def _newest_first(last: LastCheckpoint, options: dict[str, Any]) -> list[tuple[f
 
 
 def _valid(directory: str, options: dict[str, Any]) -> list[Any]:
+    return [i for i in _scan(directory, options) if str(i.status) == "valid"]
+
+
+def _scan(directory: str, options: dict[str, Any]) -> list[Any]:
+    """Every checkpoint directory of ours in ``directory`` (valid, corrupt, incomplete)."""
     try:
-        return Catalog(Storage(directory, storage_options=options)).valid()
+        return Catalog(Storage(directory, storage_options=options)).scan()
     except Exception:  # missing, unreadable: nothing of ours there
         return []
-
-
-def _committed(directory: str, options: dict[str, Any]) -> bool:
-    return bool(_valid(directory, options))
 
 
 def _is_file(path: str) -> bool:

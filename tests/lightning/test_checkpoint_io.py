@@ -301,6 +301,19 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_that_verifies_and_says_so(
         fit(tmp_path, ours=True, ckpt_path="last")
 
 
+def test_ckpt_path_last_without_checkpoints_starts_fresh_and_says_why_when_none_committed(
+    tmp_path,
+) -> None:
+    with pytest.warns(UserWarning, match="there is no last checkpoint"):
+        trainer, _, _ = fit(tmp_path, ours=True, max_steps=2, ckpt_path="last")
+    assert trainer.ckpt_path is None  # Lightning's own answer for a first run
+    crashed = tmp_path / "b" / "ckpts" / "last.ckpt"
+    crashed.mkdir(parents=True)  # a save that never committed
+    (crashed / "_staging.json").write_text("{}")
+    with pytest.raises(CheckpointNotFoundError, match=r"last\.ckpt: no manifest"):
+        fit(tmp_path / "b", ours=True, ckpt_path="last")
+
+
 def test_save_last_link_links_the_newest_checkpoint_and_resumes_from_it(tmp_path) -> None:
     options = dict(monitor="step", mode="max", every_n_train_steps=3, save_top_k=2)
     fit(tmp_path, ours=True, save_last="link", **options)
@@ -370,6 +383,19 @@ def test_links_and_files_of_other_runs_are_removed_as_lightning_removes_them(tmp
         (tmp_path / "b.ckpt").write_bytes(b"x")
         plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b.ckpt")
     plugin.teardown()
+
+
+def test_the_plugin_pickles_without_its_engines_as_ddp_spawn_sends_it(tmp_path) -> None:
+    import pickle
+
+    plugin = ElasticCheckpointIO(verify="size")
+    plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.verify == "size" and copy.last_result is None
+    copy.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "b.ckpt")
+    copy.teardown()
+    plugin.teardown()
+    assert torch.equal(copy.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.zeros(2))
 
 
 def test_the_manifest_records_the_monitored_value_and_the_lightning_path(tmp_path) -> None:
