@@ -143,7 +143,7 @@ class ElasticCheckpointIO(CheckpointIO):
         _refuse_file(location)
         with self._lock:
             for key, other in self._directories.items():
-                if key != _key(root):  # one staging copy at a time: see _release
+                if key != _key(root):  # one staging buffer held at a time: the idle one goes
                     self._finish(other)
                     other.engine.arena.release()
             directory = self._directory(root, storage_options)
