@@ -20,6 +20,8 @@ _EXPORTS = {
     "Manifest": "lightning_elastic.core.format.manifest",
     "LoadResult": "lightning_elastic.core.load.load",
     "consolidate": "lightning_elastic.core.load.consolidate",
+    "ImportResult": "lightning_elastic.core.load.import_ckpt",
+    "import_checkpoint": "lightning_elastic.core.load.import_ckpt",
     "PerRankRule": "lightning_elastic.core.load.per_rank",
     "LoadedWeights": "lightning_elastic.core.load.weights",
     "load_weights": "lightning_elastic.core.load.weights",
@@ -80,6 +82,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.format.catalog import CheckpointInfo
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.load.consolidate import consolidate
+    from lightning_elastic.core.load.import_ckpt import ImportResult, import_checkpoint
     from lightning_elastic.core.load.load import LoadResult
     from lightning_elastic.core.load.per_rank import PerRankRule
     from lightning_elastic.core.load.weights import LoadedWeights, load_weights

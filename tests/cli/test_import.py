@@ -18,10 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_elastic import ElasticCheckpointIO, UnsafeCheckpointError, consolidate
+from lightning_elastic import (
+    ElasticCheckpointIO,
+    UnsafeCheckpointError,
+    consolidate,
+    import_checkpoint,
+)
 from lightning_elastic.cli import main
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
-from lightning_elastic.core.load.import_ckpt import import_checkpoint
 from tests.lightning.models import TinyModule, make_trainer
 
 pytestmark = [
