@@ -34,7 +34,7 @@ from lightning_elastic.testing.spawn import run_distributed
 def worker(scratch: str, steps: int, initial: float, mtbf: str, max_overhead: float) -> Any:
     import lightning.pytorch as pl
 
-    from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+    from lightning_elastic import CadenceOptions, DistributedCheckpoint, ElasticStrategy
     from lightning_elastic.core.policy.cadence import Cadence
 
     torch.set_num_threads(1)  # two ranks on two cores
@@ -43,8 +43,7 @@ def worker(scratch: str, steps: int, initial: float, mtbf: str, max_overhead: fl
     checkpoint = DistributedCheckpoint(
         f"{scratch}/ckpts",
         train_time_interval="auto",
-        mtbf=mtbf,
-        max_overhead=max_overhead,
+        cadence=CadenceOptions(mtbf=mtbf, max_overhead=max_overhead),
         keep_last_n=1,
         save_on_train_end=False,
     )

@@ -3,8 +3,11 @@ nodes on this machine, a fixed step time, checkpoints every ``--every`` steps, a
 ``--period`` seconds an event on node B:
 
 * ``loss``: node B's agent and worker are SIGKILLed; a fresh node B joins ``--rejoin`` s later;
-* ``planned``: node B is drained (SIGTERM to its agent: the agreed checkpoint, exit 143) and
-  a fresh node B joins ``--rejoin`` s later;
+* ``planned``: node B is drained (SIGTERM: the agreed checkpoint, exit 143) and a fresh node B
+  joins ``--rejoin`` s later; ``--delivery`` says to whom the SIGTERM goes: its agent
+  (``agent``: what a node drain does), its agent's process group (``group``: a shell's
+  Ctrl-C, ``kill -TERM -PGID``, systemd's control-group stop) or every process of the node
+  (``node``: SLURM's scancel, a container runtime's stop);
 * ``none``: no event (the fault-free rate the others are compared with).
 
 Reported: goodput = steps kept / (wall time x fault-free steps per second), steps re-executed,
@@ -12,11 +15,14 @@ and for every restarted worker group the recovery split: from the event to the p
 (torchrun's detection + rendezvous), process start to imports done (interpreter, torch,
 Lightning), imports to training start (Trainer and process group setup plus our checkpoint
 selection, verification, load and resharding, the last reported alone as ``ours_s``), training
-start to the first step.
+start to the first step; for joins and leaves apart. Two more per restart: the pause (the
+previous group's last step to this group's first) and the start skew (its first worker's start
+to its last one's: a worker that waited for its node's imports holds the whole group back).
 
     python benchmarks/bench_goodput.py --mode loss --period 60 --duration 300
     python benchmarks/bench_goodput.py --mode none --duration 60
     python benchmarks/bench_goodput.py --mode planned --warm-start   # workers forked warm
+    python benchmarks/bench_goodput.py --mode planned --warm-start --delivery group
     python benchmarks/bench_goodput.py --mode loss --ft   # replica groups beside the restart path
 
 ``--ft`` runs the same workload with replica groups (``strategy="elastic_ft"``, see
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -61,6 +68,17 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
         for proc in [*parent.children(recursive=True), parent]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(sig)
+
+
+def deliver(how: str, pid: int) -> None:
+    """SIGTERM for the node whose agent is ``pid`` (a session of its own): to the agent, to its
+    process group, or to every process of the node."""
+    if how == "agent":
+        os.kill(pid, signal.SIGTERM)
+    elif how == "group":
+        os.killpg(pid, signal.SIGTERM)
+    else:
+        kill_tree(pid, signal.SIGTERM)
 
 
 def start_agent(root: Path, port: int, args: argparse.Namespace, name: str) -> subprocess.Popen:
@@ -106,7 +124,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     host = start_agent(root, port, args, "a")
     time.sleep(1.0)
     nodes = [start_agent(root, port, args, "b0")]
-    events: list[float] = []
+    events: list[tuple[str, float]] = []
     deadline = time.time() + 300
     while not any(r["kind"] == "step" for r in journal.read(root / "journal")):
         if time.time() > deadline or host.poll() is not None:
@@ -123,17 +141,17 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             if args.mode == "none" or time.time() < next_event:
                 continue
             node = nodes[-1]
-            events.append(time.time())
+            events.append(("leave", time.time()))
             if args.mode == "loss":
                 kill_tree(node.pid)
             else:
-                node.send_signal(signal.SIGTERM)
+                deliver(args.delivery, node.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.wait(timeout=120)
             time.sleep(args.rejoin)
-            events.append(time.time())
+            events.append(("join", time.time()))
             nodes.append(start_agent(root, port, args, f"b{len(nodes)}"))
-            next_event = events[-2] + args.period
+            next_event = events[-2][1] + args.period
     finally:
         stopped = time.time()
         for proc in [host, *nodes]:
@@ -147,28 +165,39 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     trained = {(r["inc"], r["step"]) for r in steps}
     groups = sorted({r["inc"] for r in recs if r["kind"] == "start"})
     splits = []
-    for inc in groups[1:]:
-        start = min(
-            (r for r in recs if r["kind"] == "start" and r["inc"] == inc),
-            key=lambda r: r["t_start"],
-        )
+    for previous, inc in itertools.pairwise(groups):
+        workers = [r for r in recs if r["kind"] == "start" and r["inc"] == inc]
+        start = min(workers, key=lambda r: r["t_start"])
         first = min((r["t"] for r in steps if r["inc"] == inc), default=None)
-        event = max((e for e in events if e <= start["t_start"]), default=None)
-        if first is None or event is None:
+        last = max((r["t"] for r in steps if r["inc"] == previous), default=None)
+        # a join grows the world, a leave shrinks it: the latest event of that kind (a leave's
+        # restart may come after the rejoin was started, when detecting the leave took longer)
+        before = next(r for r in recs if r["kind"] == "start" and r["inc"] == previous)
+        kind = "join" if start["world"] > before["world"] else "leave"
+        event = max(
+            (e for e in events if e[0] == kind and e[1] <= start["t_start"]),
+            default=None,
+            key=lambda e: e[1],
+        )
+        if first is None or last is None or event is None:
             continue
         splits.append(
             {
-                "detect_rendezvous_s": start["t_start"] - event,
+                "event": event[0],
+                "detect_rendezvous_s": start["t_start"] - event[1],
                 "process_imports_s": start["t_imported"] - start["t_start"],
                 "setup_and_load_s": start["t"] - start["t_imported"],
                 # of which ours: checkpoint selection, verification, read, resharding
                 "ours_s": start.get("ours_s") or 0.0,
                 "first_step_s": first - start["t"],
-                "total_s": first - event,
+                "total_s": first - event[1],
+                "pause_s": first - last,
+                "start_skew_s": max(r["t_start"] for r in workers) - start["t_start"],
             }
         )
     return {
         "mode": args.mode,
+        "delivery": args.delivery if args.mode == "planned" else None,
         "warm_start": args.warm_start,
         "period_s": args.period,
         "wall_s": wall,
@@ -183,20 +212,53 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def summary(result: dict[str, Any], fault_free_steps_per_s: float) -> dict[str, Any]:
     goodput = result["steps_kept"] / (result["wall_s"] * fault_free_steps_per_s)
-    split = {
-        k: statistics.median(s[k] for s in result["recovery"])
-        for k in (result["recovery"][0] if result["recovery"] else {})
-    }
+    medians = {}
+    for event in ("leave", "join"):
+        splits = [s for s in result["recovery"] if s["event"] == event]
+        if splits:
+            medians[event] = {
+                k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "event"
+            }
     return {
         **{k: v for k, v in result.items() if k != "recovery"},
         "goodput": goodput,
-        "median_recovery": split,
+        "median_recovery": medians,
     }
+
+
+def table(out: dict[str, Any]) -> str:
+    """The run as a row of the table in docs/elastic.md (and its header)."""
+    how = {
+        "none": "no event",
+        "loss": "node loss (SIGKILL of its process tree)",
+        "planned": {
+            "agent": "planned drain, SIGTERM to the agent",
+            "group": "planned drain, SIGTERM to the agent's process group",
+            "node": "planned drain, SIGTERM to every process of the node",
+        }.get(out["delivery"], ""),
+    }[out["mode"]]
+    join = out["median_recovery"].get("join", {})
+    cells = [
+        f"{how}{', warm' if out['warm_start'] else ''} every {out['period_s']:.0f} s "
+        f"({out['wall_s']:.0f} s)",
+        f"{out['goodput']:.2f}",
+        f"{out['steps_re_executed']} (of {out['steps_kept']} kept)",
+        str(out["worker_groups"]),
+        f"{join.get('pause_s', float('nan')):.1f} s / {join.get('start_skew_s', float('nan')):.1f} s",
+    ]
+    header = "| events | goodput | steps re-executed | worker groups | join: pause / start skew |"
+    return header + "\n|---|---|---|---|---|\n| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=["none", "loss", "planned"], default="loss")
+    parser.add_argument(
+        "--delivery",
+        choices=["agent", "group", "node"],
+        default="agent",
+        help="planned: SIGTERM to node B's agent, its process group, or every process of B",
+    )
     parser.add_argument("--period", type=float, default=60.0, help="seconds between events")
     parser.add_argument("--rejoin", type=float, default=5.0, help="seconds until B rejoins")
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of wall time")
@@ -244,6 +306,7 @@ def main() -> None:
     out["recovery"] = result["recovery"]
     text = json.dumps(out, indent=1)
     print(text)
+    print(table(out))
     if args.json is not None:
         args.json.write_text(text)
 

@@ -1,17 +1,30 @@
-"""One typed error hierarchy for everything lightning_elastic raises.
+"""One typed error hierarchy for everything lightning_elastic raises, and its warnings.
 
-Every class derives from :class:`ElasticCheckpointError` (an ``Exception``), so
-``except ElasticCheckpointError`` catches all of them. Messages say what happened,
-where, and what to do about it.
+Every error class derives from :class:`ElasticCheckpointError` (an ``Exception``), so
+``except ElasticCheckpointError`` catches all of them (one exception: :class:`UnsafeObjectError`,
+raised inside DCP's read and turned into :class:`UnsafeCheckpointError` before it reaches a
+caller). Messages say what happened, where, and what to do about it. Every warning class is
+here too. ``tests/unit/test_errors.py`` keeps it so: an exception or warning class defined in
+any other module of the package must be private to it (a leading underscore) or one of the two
+that are not the library's (the command line's exit, the test helpers' assertion).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from lightning_elastic.core.format.integrity import Problem
+    from lightning_elastic.core.tiers.transfer import TransferFailure, TransferStats
+
+# The public errors and warnings: ``lightning_elastic`` re-exports exactly these (docs/api.md
+# lists them). The other names here are parts of the hierarchy a caller meets as attributes or
+# more specific classes (``Phase``, ``RankFailure``, ``DistributedFailure``, ...), or errors
+# raised and caught inside the package (``CorruptWhileLoading``, ``TransferError``, ...).
 __all__ = [
-    "TRUSTED_HINT",
     "CheckpointExistsError",
     "CheckpointLoadError",
     "CheckpointMismatchError",
@@ -21,15 +34,13 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointWarning",
     "DataShardingError",
-    "DistributedFailure",
     "ElasticCheckpointError",
+    "ElasticDeprecationWarning",
+    "ForkingWorkersWarning",
     "IntegrityError",
     "LoadTimeoutError",
     "ManifestError",
-    "ManifestNotReceivedError",
     "PerRankStateError",
-    "Phase",
-    "RankFailure",
     "ReplicaGroupError",
     "SaveTimeoutError",
     "StaleWriterError",
@@ -42,6 +53,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "UntrustedManifestError",
+    "WarmStartError",
     "WeightsMismatchError",
     "WorldSizeError",
 ]
@@ -144,6 +156,78 @@ class IntegrityError(ElasticCheckpointError):
         return (type(self), (self.checkpoint, self.file, self.reason))
 
 
+class CorruptWhileLoading(IntegrityError):
+    """A fused load found shard files that do not match the manifest; raised on every rank
+    (the load walk quarantines the checkpoint and tries the one before). ``problems``: each
+    file and what was wrong with it."""
+
+    def __init__(self, checkpoint: str, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(sorted(problems, key=lambda p: p.file))
+        first = self.problems[0]
+        super().__init__(checkpoint, first.file, first.reason)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.checkpoint, self.problems))
+
+
+class TransferError(ElasticCheckpointError):
+    """Some of this rank's checkpoint file transfers between ranks failed (peer replication,
+    recovery from a peer); ``failures`` lists them in list order, ``stats`` what this rank
+    did. The peer of each failed transfer raises too (it saw the failure in the exchange),
+    unless the connection to it broke."""
+
+    def __init__(self, failures: Sequence[TransferFailure], stats: TransferStats) -> None:
+        self.failures = tuple(failures)
+        self.stats = stats
+        shown = "; ".join(
+            f"{f.transfer.path!r} from rank {f.transfer.src} to rank {f.transfer.dst} "
+            f"({f.kind}): {f.reason}"
+            for f in self.failures[:5]
+        )
+        more = f" (and {len(self.failures) - 5} more)" if len(self.failures) > 5 else ""
+        ElasticCheckpointError.__init__(
+            self, f"{len(self.failures)} checkpoint file transfer(s) failed: {shown}{more}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.failures, self.stats))
+
+
+class TransferIntegrityError(TransferError, IntegrityError):
+    """Every failed transfer was a file whose bytes did not match its checksum or size (at
+    the sender, or as received: the received copy was deleted). ``file`` is the first one."""
+
+    def __init__(self, failures: Sequence[TransferFailure], stats: TransferStats) -> None:
+        TransferError.__init__(self, failures, stats)
+        first = self.failures[0]
+        self.checkpoint = first.transfer.path.rpartition("/")[0]
+        self.file, self.reason = first.transfer.path, first.reason
+
+
+class UnsafeObjectError(Exception):
+    """One object of a checkpoint cannot be loaded without running code from storage.
+
+    ``types`` names the globals outside the allowlist (empty when torch's unpickler refused
+    something else, ``reason`` says what). Raised inside DCP's read (so not an
+    :class:`ElasticCheckpointError`: DCP wraps it) and gathered from every rank;
+    :func:`lightning_elastic.core.load.load.load_checkpoint` turns it into
+    :class:`UnsafeCheckpointError`.
+    """
+
+    def __init__(self, fqn: str, types: Sequence[str] = (), reason: str = "") -> None:
+        self.fqn = fqn
+        self.types = tuple(types)
+        self.reason = reason
+        if self.types:
+            what = f"references {', '.join(self.types)}, not on the safe-loading allowlist"
+        else:
+            what = f"cannot be unpickled safely: {reason}"
+        super().__init__(f"object {fqn!r} {what}")
+
+    def __reduce__(self) -> tuple[object, ...]:  # travels between ranks inside DCP's errors
+        return (type(self), (self.fqn, self.types, self.reason))
+
+
 class WeightsMismatchError(ElasticCheckpointError, RuntimeError):
     """A checkpoint's weights do not fit the module they are loaded into (``load_weights``).
 
@@ -186,6 +270,12 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "(not a tensor)" if shape is None else f"of shape {tuple(shape)}"
 
 
+class WarmStartError(ElasticCheckpointError, RuntimeError):
+    """``lightning-elastic run --warm-start``: the fork server died before it forked a worker
+    (a module it imports ended the interpreter, the OOM killer, a signal); the node gives up
+    before it joins the rendezvous, so the job's other nodes go on."""
+
+
 class ReplicaGroupError(ElasticCheckpointError, RuntimeError):
     """Replica groups (``strategy="elastic_ft"``): no quorum formed within the quorum timeout
     (the Lighthouse is gone, or fewer groups than ``min_replica_groups`` are alive), or a step
@@ -197,9 +287,25 @@ class CorruptCheckpointWarning(UserWarning):
     """A checkpoint failed verification and was skipped (and quarantined)."""
 
 
+class ElasticDeprecationWarning(DeprecationWarning):
+    """An option spelled the old way: it still works, and the message names the new spelling
+    (shown by default, as Lightning shows its own deprecations)."""
+
+
+# Python shows a DeprecationWarning only when __main__ triggers it; LightningCLI builds the
+# callback from a YAML inside jsonargparse, where it would be hidden. A filter in front, as
+# Lightning's for LightningDeprecationWarning (pytest's own filters still come first in tests)
+warnings.simplefilter("default", ElasticDeprecationWarning)
+
+
 class StragglerWarning(RuntimeWarning):
     """A rank was slower than the median rank by more than ``straggler_factor`` over a window
     (the message names the rank, its node and whether the time went into the step or saves)."""
+
+
+class ForkingWorkersWarning(UserWarning):
+    """Training dataloader workers are forked at every epoch while checkpoints are written
+    in the background, on a Python where a forked worker can hang (CPython gh-112275)."""
 
 
 class CheckpointMismatchError(ConfigError):

@@ -19,12 +19,16 @@ __all__ = [
     "flatten_dense",
     "flatten_nested",
     "foreach_copy",
+    "give_back_restart",
     "load_planner_mappings",
     "missing",
     "process_group_store",
     "read_dcp_directory",
+    "rendezvous_round",
+    "run_exit_handlers",
     "save_planner_state",
     "set_up_save_planner",
+    "tcp_store_class",
     "torchrun_entry",
     "unmet",
 ]
@@ -71,7 +75,26 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "torch.distributed.elastic.agent.server.local_elastic_agent",
         "LocalElasticAgent._monitor_workers",
     ),
+    # ... and its _start_workers, around which the launcher tells the workers the rendezvous
+    # round (DynamicRendezvousHandler._state_holder.state.round, an instance attribute): the
+    # agent's store outlives the workers, and a process group initialized in a new round
+    # must not read the keys a previous round's workers left there
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "LocalElasticAgent._start_workers",
+    ),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler"),
+    # the exit handlers a warm-started worker runs itself (it leaves through os._exit)
+    ("atexit", "_run_exitfuncs"),
 )
+
+
+def rendezvous_round(handler: Any) -> int | None:
+    """The round of torchrun's dynamic rendezvous ``handler`` (the same on every agent of a
+    round), or ``None`` for another kind of handler."""
+    holder = getattr(handler, "_state_holder", None)
+    round_ = getattr(getattr(holder, "state", None), "round", None)
+    return round_ if isinstance(round_, int) else None
 
 
 def process_group_store(group: Any) -> Any:
@@ -202,6 +225,32 @@ def torchrun_script_runner(fn: Any) -> contextlib.AbstractContextManager[None]:
     ``fn(script, *args)`` instead of its ``run_script_path`` (``config_from_args`` looks the
     name up in its module at call time)."""
     return _swapped("torch.distributed.run", "run_script_path", fn)
+
+
+def give_back_restart(agent: Any) -> int:
+    """One more restart for a torch elastic agent (its loop spends one on every failed worker
+    group: ``SimpleElasticAgent._remaining_restarts``, an instance attribute); the restarts
+    left."""
+    agent._remaining_restarts += 1
+    return int(agent._remaining_restarts)
+
+
+def run_exit_handlers() -> None:
+    """Run (and clear) the ``atexit`` handlers now, as the interpreter does at its exit."""
+    import atexit
+
+    atexit._run_exitfuncs()
+
+
+def tcp_store_class() -> Any:
+    """c10d's ``TCPStore`` (public as ``torch.distributed.TCPStore``; older torch and the type
+    stubs have it only in ``torch._C._distributed_c10d``)."""
+    import torch.distributed as dist
+
+    store = getattr(dist, "TCPStore", None)
+    if store is None:  # pragma: no cover - torch < 2.0
+        from torch._C._distributed_c10d import TCPStore as store
+    return store
 
 
 def elastic_agent_class(cls: type) -> contextlib.AbstractContextManager[None]:

@@ -1,6 +1,9 @@
 """Checking user options once, the same way everywhere: each checker returns the value in its
 canonical type or raises :class:`~lightning_elastic.errors.ConfigError` naming the option, the
-value given and what is accepted.
+value given and what is accepted. Two of the option groups ``DistributedCheckpoint`` takes are
+here too, checked by these checkers: :class:`TierOptions` and :class:`MonitoringOptions`
+(the third, ``CadenceOptions``, is beside the cadence it configures; retention rules are the
+policy classes themselves).
 
 Options arrive from Python, from YAML (LightningCLI, where ``2.5`` or ``"yes"`` are easy to
 write) and from the command line, so nothing is coerced silently: ``every_n_train_steps=2.5``
@@ -19,19 +22,28 @@ import re
 import signal as signal_module
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from lightning_elastic.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_LOCAL_KEEP",
+    "DEFAULT_PERSIST_EVERY_N_SAVES",
+    "DEFAULT_REPLICAS",
     "DEFAULT_TIMEOUT",
     "MAX_COUNT",
     "MAX_SECONDS",
     "MIN_SECONDS",
+    "MonitoringOptions",
+    "TierOptions",
     "check_bool",
     "check_choice",
     "check_count",
+    "check_duration",
     "check_factor",
     "check_node_id",
     "check_number",
@@ -41,9 +53,15 @@ __all__ = [
     "check_seed",
     "check_signals",
     "one_timeout",
+    "tier_options",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: multi-tier defaults: persist every save, one copy of each shard on another node, two
+#: checkpoints kept on each node
+DEFAULT_PERSIST_EVERY_N_SAVES = 1
+DEFAULT_REPLICAS = 1
+DEFAULT_LOCAL_KEEP = 2
 MAX_SECONDS = 365 * 24 * 3600.0  # beyond this a "timeout" is a mistake (and overflows timers)
 MIN_SECONDS = 1e-6  # a timedelta's resolution: a shorter duration becomes 0
 #: the largest count an option takes: what a manifest records (and far below what C sizes,
@@ -79,7 +97,9 @@ def check_number(
     ``None``: unbounded, yet finite). Refused, with a :class:`ConfigError` naming the option,
     the value (``given`` when the user wrote something else, e.g. ``"4h"``) and the range:
     bools, strings and other types, NaN, infinities, and (for a float) integers beyond a
-    float's range.
+    float's range. Numpy scalars, ``Fraction`` and (for a float) ``Decimal`` are numbers like
+    any other; what is returned is always a plain ``int`` or ``float`` (``-0.0`` as ``0.0``),
+    which is what the caller should keep.
     """
     shown = value if given is _UNSET else given
     kind = what or ("an integer" if integer else "a number")
@@ -87,8 +107,9 @@ def check_number(
     if not _numeric(value, integer):
         raise ConfigError(f"{wanted}, got {_given(shown)}")
     try:
-        number: Any = operator.index(value) if integer else float(value)
-    except (OverflowError, ValueError):  # an int beyond a float's range
+        # + 0.0: a -0.0 would print as another value than 0
+        number: Any = operator.index(value) if integer else float(value) + 0.0
+    except (OverflowError, ValueError):  # an int beyond a float's range; Decimal('sNaN')
         raise ConfigError(f"{wanted}, got {_given(shown)}") from None
     if not integer and not math.isfinite(number):
         raise ConfigError(f"{wanted}, got {_given(shown)}")
@@ -101,8 +122,9 @@ def check_number(
 
 
 def _numeric(value: Any, integer: bool) -> bool:
-    """An int (any integral type but bool), or for a float any real number but a bool."""
-    kind = numbers.Integral if integer else numbers.Real
+    """An int (any integral type but bool), or for a float any real number but a bool (a
+    ``Decimal`` too: not a ``numbers.Real``, but what ``Decimal("0.05")`` means is clear)."""
+    kind = numbers.Integral if integer else (numbers.Real, Decimal)
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
@@ -174,9 +196,11 @@ def check_seconds(
     zero: bool = False,
     maximum: float = MAX_SECONDS,
     given: Any = _UNSET,
+    what: str = "a duration (a timedelta or seconds)",
 ) -> float:
     """A finite duration given as a ``timedelta`` or a number of seconds: at least a
-    microsecond (a timedelta's resolution; ``zero``: or 0) and at most ``maximum`` (a year)."""
+    microsecond (a timedelta's resolution; ``zero``: or 0) and at most ``maximum`` (a year).
+    ``what``: how the message calls it."""
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
     years = maximum / MAX_SECONDS
     limit = f" (at most {'a year' if years == 1 else f'{years:g} years'})"
@@ -185,11 +209,16 @@ def check_seconds(
         name,
         low=0.0 if zero else MIN_SECONDS,
         high=maximum,
-        what="a duration (a timedelta or seconds)",
+        what=what,
         unit=f" s{limit}",
         given=value if given is _UNSET else given,
     )
     return checked
+
+
+def check_duration(value: Any, name: str) -> timedelta:
+    """:func:`check_seconds`'s duration as a ``timedelta`` (given as one or as seconds)."""
+    return timedelta(seconds=check_seconds(value, name))
 
 
 def check_seed(value: Any, name: str = "seed") -> int:
@@ -284,14 +313,82 @@ def tier_options(
     if not isinstance(local_dirpath, (str, os.PathLike)) or not str(local_dirpath):
         raise ConfigError(f"local_dirpath must be a path, got {local_dirpath!r}")
     if persist_every_n_saves is not None:
-        check_count(persist_every_n_saves, "persist_every_n_saves")
+        given["persist_every_n_saves"] = check_count(persist_every_n_saves, "persist_every_n_saves")
     if replicas is not None:
-        check_count(replicas, "replicas", minimum=0)
+        given["replicas"] = check_count(replicas, "replicas", minimum=0)
     if local_keep is not None:
-        check_count(local_keep, "local_keep")
+        given["local_keep"] = check_count(local_keep, "local_keep")
     if node is not None:
         check_node_id(node)
     return {"local_root": str(local_dirpath), **given}
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """Multi-tier checkpoints (docs/tiers.md): every save commits on a node-local directory
+    first and each rank's shard is copied to ``replicas`` other nodes; the callback's
+    ``dirpath`` becomes the persistent tier, written every ``persist_every_n_saves``-th save
+    and at the end of a fit or on a signal; resume reads each node's files from the fastest
+    tier holding them.
+
+    Args:
+        local_dirpath: a node-local directory (``/dev/shm/...``, a local NVMe disk).
+        persist_every_n_saves: persist every k-th save to ``dirpath``.
+        replicas: other nodes holding a copy of each rank's shard (``0``: none; capped at the
+            number of other nodes).
+        local_keep: checkpoints kept on each node.
+        node: this node's id (default ``$LIGHTNING_ELASTIC_NODE``, else the host name).
+    """
+
+    local_dirpath: str | Path  # kept as a string
+    persist_every_n_saves: int = DEFAULT_PERSIST_EVERY_N_SAVES
+    replicas: int = DEFAULT_REPLICAS
+    local_keep: int = DEFAULT_LOCAL_KEEP
+    node: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.local_dirpath, os.PathLike):  # a Path is welcome; kept as a string
+            object.__setattr__(self, "local_dirpath", os.fspath(self.local_dirpath))
+        self.engine_options()  # checks every field (ConfigError)
+
+    def engine_options(self) -> dict[str, Any]:
+        """These options as :class:`~lightning_elastic.core.engine.CheckpointEngine` keywords
+        (``local_root=`` ...)."""
+        return tier_options(
+            self.local_dirpath,
+            persist_every_n_saves=self.persist_every_n_saves,
+            replicas=self.replicas,
+            local_keep=self.local_keep,
+            node=self.node,
+        )
+
+
+@dataclass(frozen=True)
+class MonitoringOptions:
+    """What ``DistributedCheckpoint`` observes and exports (docs/monitoring.md).
+
+    Args:
+        metrics_port: serve this rank's health metrics for Prometheus on
+            ``metrics_port + local rank`` (``0``: any free port; needs ``prometheus_client``,
+            the ``metrics`` extra). ``None``: not served (the loggers still get them).
+        straggler_factor: report a rank whose step time exceeds the median rank's by this
+            factor over a window (``None``: never).
+        straggler_window: optimizer steps per straggler window (every rank's timings ride on
+            the per-step agreement at each window's last step).
+        history: record the run's events (starts, resumes, commits, progress) in
+            ``dirpath/_history`` for ``lightning-elastic report`` and the lost-work metrics.
+    """
+
+    metrics_port: int | None = None
+    straggler_factor: float | None = 1.5
+    straggler_window: int = 50
+    history: bool = True
+
+    def __post_init__(self) -> None:
+        check_port(self.metrics_port)
+        object.__setattr__(self, "straggler_factor", check_factor(self.straggler_factor))
+        check_count(self.straggler_window, "straggler_window")
+        check_bool(self.history, "history")
 
 
 MAX_NODE_ID = 255

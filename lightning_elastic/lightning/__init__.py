@@ -1,13 +1,18 @@
 """The Lightning adapters: the only package that imports lightning.
 
-Importing it (our strategies and ``DistributedCheckpoint`` do) registers ``strategy="elastic"``,
-``"elastic_fsdp"`` and ``"elastic_ft"`` and teaches Lightning,
-once per process, to read our checkpoint directories: ``LightningModule.load_from_checkpoint``
+Importing it (our strategies and ``DistributedCheckpoint`` do) teaches Lightning, once per
+process, to read our checkpoint directories: ``LightningModule.load_from_checkpoint``
 and ``Trainer.fit/validate/test/predict(ckpt_path=DIR)`` consolidate them on the fly
 (:mod:`.loading`), and ``ckpt_path="last"/"best"`` refer to a ``DistributedCheckpoint``'s
 checkpoints (:mod:`.aliases`). Anything else loads as Lightning loads it. A Trainer or Fabric
 given ``ElasticCheckpointIO`` under a strategy that would not call it is refused when built
-(:mod:`.checkpoint_io_rules`).
+(:mod:`.checkpoint_io_rules`). The strategy names
+(``strategy="elastic"``, ``"elastic_fsdp"``, ``"elastic_ft"``) are registered earlier, by
+``import lightning_elastic`` (:mod:`lightning_elastic._strategy_names`).
+
+The health monitor, the save schedule and the shard plans these adapters drive live in the
+core (:mod:`lightning_elastic.core.observe`, :mod:`lightning_elastic.core.policy.schedule`,
+:mod:`lightning_elastic.core.elastic.shards`): this package holds hooks and wiring.
 """
 
 from lightning_elastic.lightning.aliases import install_alias_parser

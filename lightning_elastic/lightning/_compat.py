@@ -18,12 +18,18 @@ from lightning_elastic.core._compat import unmet
 
 __all__ = [
     "REQUIREMENTS",
+    "before_batch_transfer",
+    "callback_state_key",
     "checkpoint_after_batch",
     "dump_checkpoint",
     "finish_fit_loop_restart",
+    "first_batch_of_epoch",
+    "forgive_changed_log_arguments",
     "install_on_connector",
     "is_distributed",
+    "last_checkpoint_files",
     "limit_train_batches",
+    "litdata_children",
     "logger_connector_state",
     "loop_progress",
     "metric_reductions",
@@ -32,23 +38,32 @@ __all__ = [
     "model_checkpoint_dir",
     "new_result_metric",
     "optimizer_to_device",
+    "parallel_sizes",
     "pending_loader_states",
     "prefetched_batches",
+    "process_group_backend",
+    "process_group_timeout",
     "reinstantiate_dataloader",
     "restore_results",
     "result_entry",
     "set_ckpt_path",
     "set_closure_batch",
+    "set_data_parallel_size",
     "set_loaded_checkpoint",
     "set_logger_connector_state",
     "set_loop_progress",
     "set_metric_update_count",
+    "set_strategy_devices",
+    "set_strategy_nodes",
     "snapshot_results",
+    "strategy_devices",
+    "strategy_nodes",
     "track_scheduler_steps",
     "train_combined_loader",
     "train_loader_mode",
     "train_loader_states",
     "trainer_of",
+    "training_epoch_open",
     "training_results",
     "uninstall_from_connector",
     "unwrap_optimizer",
@@ -96,6 +111,8 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "lightning.pytorch.callbacks.model_checkpoint",
         "ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir",
     ),
+    # the last*.ckpt files Lightning's own ckpt_path="last" chooses among
+    ("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._find_last_checkpoints"),
     # the file loader (cloud_io._load) that LightningModule.load_from_checkpoint and
     # TorchCheckpointIO.load_checkpoint call, under the name each module imported it as
     *((module, "pl_load") for module in _CHECKPOINT_LOADERS),
@@ -137,7 +154,83 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "lightning.pytorch.trainer.connectors.accelerator_connector",
         "_AcceleratorConnector.is_distributed",
     ),
+    # where ModelParallelStrategy initializes the default process group (DDPStrategy does it in
+    # the public setup_distributed): ElasticFSDPStrategy overrides it to initialize the group on
+    # torchrun's agent store under the round's prefix first (strategy.py attempt_store)
+    ("lightning.pytorch.strategies.model_parallel", "ModelParallelStrategy._setup_distributed"),
+    # our strategies keep the devices and nodes torchrun gives in the attributes the Lightning
+    # bases keep them in (ParallelStrategy._parallel_devices, DDPStrategy._num_nodes), and
+    # ElasticFSDPStrategy follows the world with ModelParallelStrategy's _data_parallel_size /
+    # _tensor_parallel_size; the process group's backend and timeout are DDPStrategy's
+    # (instance attributes, checked on live strategies by tests/unit/test_compat.py)
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend"),
+    # a callback's state key as Lightning's own callbacks form it
+    ("lightning.pytorch.callbacks.callback", "Callback._generate_state_key"),
+    # replica groups: a batch loaded outside the loop made ready as the loop makes the
+    # DataLoader's (the module's on_before_batch_transfer hook, through its private caller)
+    ("lightning.pytorch.core.module", "LightningModule._on_before_batch_transfer"),
 )
+
+
+def strategy_devices(strategy: Any) -> Any:
+    """The devices a Lightning ``ParallelStrategy`` keeps (its ``_parallel_devices``)."""
+    return strategy._parallel_devices
+
+
+def set_strategy_devices(strategy: Any, devices: Any) -> None:
+    """Keep ``devices`` where ``ParallelStrategy.parallel_devices`` reads them."""
+    strategy._parallel_devices = devices
+
+
+def strategy_nodes(strategy: Any) -> int:
+    """The node count a Lightning ``DDPStrategy`` keeps (its ``_num_nodes``)."""
+    return int(strategy._num_nodes)
+
+
+def set_strategy_nodes(strategy: Any, num_nodes: int) -> None:
+    """Keep ``num_nodes`` where ``DDPStrategy.num_nodes`` reads it."""
+    strategy._num_nodes = num_nodes
+
+
+def parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """``(data_parallel_size, tensor_parallel_size)`` of a ``ModelParallelStrategy`` (either
+    may still be ``"auto"``)."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def set_data_parallel_size(strategy: Any, size: int) -> None:
+    """Set a ``ModelParallelStrategy``'s data-parallel size (before its environment set-up)."""
+    strategy._data_parallel_size = size
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend a ``DDPStrategy`` initialises its process group with."""
+    backend: str = strategy._get_process_group_backend()
+    return backend
+
+
+def process_group_timeout(strategy: Any) -> Any:
+    """The process-group timeout a Lightning strategy was given (``None`` when it keeps none)."""
+    return getattr(strategy, "_timeout", None)
+
+
+def callback_state_key(callback: Any, **kwargs: Any) -> str:
+    """A callback's ``state_key`` as Lightning's own callbacks form it (the class's qualified
+    name and ``kwargs``)."""
+    key: str = callback._generate_state_key(**kwargs)
+    return key
+
+
+def before_batch_transfer(module: Any, batch: Any) -> Any:
+    """``batch`` through the module's ``on_before_batch_transfer`` hook, as the training loop
+    calls it for a DataLoader's batch."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+def litdata_children(dataset: Any) -> Any:
+    """The datasets a LitData ``CombinedStreamingDataset``/``ParallelStreamingDataset``
+    combines (its ``_datasets``), or ``None``."""
+    return getattr(dataset, "_datasets", None)
 
 
 def trainer_of(module: Any) -> Any:
@@ -274,6 +367,12 @@ def model_checkpoint_dir(callback: Any, trainer: Any) -> str:
     if callback.dirpath is not None:
         return str(callback.dirpath)
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+def last_checkpoint_files(callback: Any, trainer: Any) -> list[str]:
+    """The ``last*.ckpt`` paths of a ``ModelCheckpoint``'s directory, as Lightning's own
+    ``ckpt_path="last"`` finds them."""
+    return [str(p) for p in callback._find_last_checkpoints(trainer)]
 
 
 def set_ckpt_path(trainer: Any, location: str) -> None:
@@ -542,6 +641,23 @@ def training_results(trainer: Any) -> dict[str, Any]:
     return results
 
 
+def training_epoch_open(trainer: Any) -> bool:
+    """Whether a training epoch of a fit has started and its end has not yet been reached
+    (``fit_loop.epoch_progress.current``: started > processed): its ``self.log``
+    accumulators are live, also during a validation inside it; at ``on_train_epoch_end``
+    and after, Lightning computes, logs and resets them."""
+    if getattr(trainer.state, "fn", None) != "fit" or trainer.sanity_checking:
+        return False
+    current = trainer.fit_loop.epoch_progress.current
+    return bool(current.started > current.processed)
+
+
+def first_batch_of_epoch(trainer: Any) -> bool:
+    """Whether the training batch now starting is its epoch's first (what Lightning's logger
+    connector marks ``_first_loop_iter=True``): ``batch_progress.current.ready == 1``."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.current.ready == 1)
+
+
 def is_distributed(trainer: Any) -> bool:
     """Whether ``self.log(sync_dist=True)`` syncs under ``trainer``
     (``_accelerator_connector.is_distributed``: a DDP-like strategy, even on one device)."""
@@ -607,6 +723,46 @@ def new_result_metric(trainer: Any, entry: dict[str, Any], *, sync_dist: bool) -
     metric._computed = entry["computed"]
     metric.has_reset = bool(entry["has_reset"])
     return metric
+
+
+def forgive_changed_log_arguments(
+    trainer: Any, keys: set[str], replaced: Callable[[str], None]
+) -> None:
+    """Let the first ``self.log`` of each restored entry (``keys`` of :func:`training_results`)
+    change its arguments: Lightning raises ``MisconfigurationException`` when a ``self.log``
+    differs from the entry's (``_ResultCollection.log``: "twice ... with different
+    arguments"), which after an edit of the code between the save and the resume (a
+    ``prog_bar=True`` added) would fail every restart. Such an entry is dropped instead,
+    ``replaced(name)`` called, and the value logged afresh; a key's later calls, and every
+    other, are Lightning's own (the wrapper goes when no key is left to confirm)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    results: Any = training_results(trainer)
+    pending = set(keys)
+    original = type(results).log
+
+    def log(fx: str, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        key = f"{fx}.{name}"  # as _ResultCollection.log names its entries
+        if kwargs.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
+            key += f".{results.dataloader_idx}"
+        if key not in pending:
+            original(results, fx, name, value, *args, **kwargs)
+            return
+        try:
+            original(results, fx, name, value, *args, **kwargs)
+        except MisconfigurationException:
+            if key not in results:
+                raise
+            del results[key]  # Lightning raised before changing anything
+            replaced(name)
+            original(results, fx, name, value, *args, **kwargs)
+        pending.discard(key)
+        if not pending:
+            results.__dict__.pop("log", None)
+
+    results.__dict__.pop("log", None)
+    if pending:
+        results.log = log
 
 
 def finish_fit_loop_restart(trainer: Any) -> bool:

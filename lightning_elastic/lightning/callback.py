@@ -31,188 +31,162 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
+from typing_extensions import Unpack
 
 from lightning_elastic.core.elastic.planned_exit import record_planned_exit
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
-from lightning_elastic.core.format.integrity import VERIFY_MODES
+from lightning_elastic.core.forking_loaders import warn_forking_workers
 from lightning_elastic.core.observe.history import RunHistory
+from lightning_elastic.core.observe.lost_work import Resumed
+from lightning_elastic.core.observe.monitor import HealthMonitor, failure_phase
 from lightning_elastic.core.options import (
+    MonitoringOptions,
+    TierOptions,
     check_bool,
     check_choice,
-    check_count,
-    check_factor,
-    check_port,
     check_run_name,
-    check_seconds,
     check_signals,
-    one_timeout,
-    tier_options,
 )
-from lightning_elastic.core.policy.cadence import Cadence
-from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
+from lightning_elastic.core.policy.cadence import Cadence, CadenceOptions
+from lightning_elastic.core.policy.retention import RetentionPolicy
+from lightning_elastic.core.policy.schedule import SaveSchedule
 from lightning_elastic.errors import CheckpointSaveError, ConfigError, StaleWriterError
-from lightning_elastic.lightning._compat import checkpoint_after_batch
-from lightning_elastic.lightning.fork_safety import warn_forking_workers
-from lightning_elastic.lightning.health import HealthMonitor, Resumed, failure_phase
+from lightning_elastic.lightning._compat import callback_state_key, checkpoint_after_batch
+from lightning_elastic.lightning.checkpoint_options import (
+    DeprecatedOptions,
+    recorded_metrics,
+    retention_policies,
+    session_options,
+    translate,
+)
 from lightning_elastic.lightning.resume import (
     install_dataloader_hook,
     install_resume_hook,
     uninstall_dataloader_hook,
     uninstall_resume_hook,
 )
-from lightning_elastic.lightning.schedule import SaveSchedule
 from lightning_elastic.lightning.session import ElasticSession, ResumeCost
 from lightning_elastic.lightning.supported import check_strategy
 
 if TYPE_CHECKING:
     from lightning_elastic.core.save.request import SaveResult
 
-__all__ = ["DistributedCheckpoint"]
+__all__ = ["DEFAULT_SIGNALS", "DistributedCheckpoint"]
 
 log = logging.getLogger(__name__)
+
+#: the signals that trigger a checkpoint-and-exit by default (SLURM's and torchrun's)
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+_Group = TypeVar("_Group")
 
 
 class DistributedCheckpoint(Checkpoint):
     """Sharded, asynchronous, two-phase-committed checkpoints with automatic resume.
 
+    The options most runs set are flat and named as ``ModelCheckpoint`` names them; the
+    advanced ones come in small groups (``cadence``, ``tiers``, ``monitoring``, ``retention``)
+    that also work from a LightningCLI YAML. What applies to every checkpoint the trainer reads
+    or writes (``checkpoint_timeout``, ``verify``, ``trusted``, ``storage_options``) is the
+    strategy's: see ``ElasticStrategy`` and docs/options.md.
+
     Args:
         dirpath: directory or fsspec URL for the checkpoints (default:
-            ``<default_root_dir>/checkpoints``).
-        storage_options: fsspec options for ``dirpath`` (credentials, endpoint_url, ...).
+            ``<default_root_dir>/checkpoints``; credentials: the strategy's
+            ``storage_options``).
         every_n_train_steps: save every N optimizer steps (``global_step``).
-        train_time_interval: save when this much training time passed since the last save
-            (a ``timedelta`` or seconds); decided by rank 0's clock for all ranks. ``"auto"``:
-            the interval follows Young-Daly, ``sqrt(2 x cost x MTBF)``, from each save's
-            measured cost (see ``mtbf``, ``max_overhead`` and docs/cadence.md);
-            ``"continuous"``: save as soon as the previous save committed and
-            ``min_interval`` passed.
         every_n_epochs: save at the end of every N-th training epoch.
+        train_time_interval: save when this much training time passed since the last save
+            (a ``timedelta``, seconds or a string like ``"30m"``); decided by rank 0's clock
+            for all ranks. ``"auto"``: the interval follows Young-Daly,
+            ``sqrt(2 x cost x MTBF)``, from each save's measured cost; ``"continuous"``: save
+            as soon as the previous save committed and a minimum interval passed (both tuned
+            by ``cadence``; docs/cadence.md).
         save_on_train_end: save when training ends (unless the last step is saved already).
-        async_save: return to training once the state is staged in host memory.
-        when_busy: a save due while the previous one is still being written ``"wait"``s for
-            it or is ``"skip"``ped (all ranks decide together).
-        keep_last_n: keep the N newest checkpoints of this run.
-        keep_every_n_steps: also keep every checkpoint whose step is a multiple of N.
-        monitor: metric recorded with each checkpoint (from ``trainer.callback_metrics``).
+        monitor: metric recorded with each checkpoint (from ``trainer.callback_metrics``);
+            ``best_model_path`` follows it.
         mode: ``"min"`` or ``"max"``: which values of ``monitor`` are better.
+        keep_last_n: keep the N newest checkpoints of this run.
         keep_best_k: also keep the K best checkpoints by ``monitor``.
-        verify: check checkpoints before loading: ``"full"`` (checksums), ``"size"``, ``"none"``.
+        retention: more rules for which checkpoints to keep, as the policy classes:
+            ``[KeepEveryNSteps(10_000), KeepBestK(3, "val_acc", "max")]`` (a checkpoint
+            survives when any rule keeps it; each ``KeepBestK``'s metric is recorded too).
+            Without any rule, every checkpoint is kept.
         resume: ``"auto"`` resumes a fresh ``fit`` from the newest valid checkpoint in
             ``dirpath``; ``"never"`` starts fresh (an explicit ``ckpt_path`` always wins).
-        timeout: how long ranks wait for each other in a save or load before failing (a
-            ``timedelta`` or seconds; default: the strategy's ``checkpoint_timeout`` when it has
-            one, else 10 minutes; giving both with different values is an error).
-        signals: signals that trigger a checkpoint-and-exit: names (``"SIGTERM"``), numbers,
-            or one comma-separated string (empty: none).
-        exit_on_signal: exit the process after the signal checkpoint (else just stop fitting).
-        compression: ``None`` or ``"zstd"``.
-        trusted: load checkpoint objects without the safe-loading allowlist (unpickling may run
-            code from the checkpoint): only for checkpoints whose origin you trust. By default a
-            checkpoint holding a type outside the allowlist raises ``UnsafeCheckpointError``.
         run_name: this run's identity, recorded in every manifest: ``resume="auto"`` resumes only
             this run's checkpoints and retention only deletes them. Default: the run whose
             checkpoint is newest in ``dirpath`` is continued (see docs/resuming.md).
-        mtbf: with ``train_time_interval="auto"``: one node's mean time between failures
-            (``"4h"``, ``"90m"``, seconds or a ``timedelta``, up to a century); the job's is
-            this over the number of nodes. Default: measured from the run's restart history in
-            ``dirpath`` (until a first failure, saves are only bounded by ``max_overhead``).
-        max_overhead: with ``"auto"``: the largest fraction of training time saves may cost
-            (default 0.01).
-        min_interval: with ``"continuous"``: the least time between two saves, and from the
-            start to the first (default 60 s; seconds, a ``timedelta`` or ``"5m"``).
-        metrics_port: serve this rank's health metrics for Prometheus on
-            ``metrics_port + local rank`` (``0``: any free port; needs ``prometheus_client``,
-            the ``metrics`` extra). Default: not served (the loggers still get them).
-        straggler_factor: report a rank whose step time exceeds the median rank's by this
-            factor over a window (``None``: never).
-        straggler_window: optimizer steps per straggler window (every rank's timings ride on
-            the per-step agreement at each window's last step).
-        history: record the run's events (starts, resumes, commits, progress) in
-            ``dirpath/_history`` for ``lightning-elastic report`` and the lost-work metrics.
-        local_dirpath: a node-local directory (``/dev/shm/...``, a local NVMe disk): multi-tier
-            checkpoints (docs/tiers.md). Every save commits there first and each rank's shard
-            is copied to ``replicas`` other nodes; ``dirpath`` becomes the persistent tier,
-            written every ``persist_every_n_saves``-th save and at the end of a fit or on a
-            signal; resume reads each node's files from the fastest tier holding them.
-        persist_every_n_saves: with ``local_dirpath``: persist every k-th save (default 1).
-        replicas: with ``local_dirpath``: other nodes holding a copy of each rank's shard
-            (default 1).
-        local_keep: with ``local_dirpath``: checkpoints kept per node (default 2).
-        node: with ``local_dirpath``: this node's id (default ``$LIGHTNING_ELASTIC_NODE``,
-            else the host name).
+        async_save: return to training once the state is staged in host memory.
+        when_busy: a save due while the previous one is still being written ``"wait"``s for
+            it or is ``"skip"``ped (all ranks decide together).
+        compression: ``None`` or ``"zstd"``.
+        signals: signals that trigger a checkpoint-and-exit: names (``"SIGTERM"``), numbers,
+            or one comma-separated string (empty: none). Under ``strategy="elastic_ft"`` a
+            signal drains a replica group instead: that strategy's ``drain_signals``.
+        exit_on_signal: exit the process after the signal checkpoint (else just stop fitting).
+        cadence: how ``train_time_interval="auto"`` or ``"continuous"`` chooses its interval
+            (``CadenceOptions(mtbf=..., max_overhead=..., min_interval=...)``).
+        tiers: multi-tier checkpoints (``TierOptions(local_dirpath=..., persist_every_n_saves=
+            ..., replicas=..., local_keep=..., node=...)``; docs/tiers.md): every save commits
+            on a node-local directory first and is copied to other nodes; ``dirpath`` becomes
+            the persistent tier.
+        monitoring: health metrics, stragglers and the run's history
+            (``MonitoringOptions(metrics_port=..., straggler_factor=..., straggler_window=...,
+            history=...)``; docs/monitoring.md). Default: ``MonitoringOptions()``.
+        deprecated: the old flat spellings of the options that moved (``mtbf``,
+            ``local_dirpath``, ``metrics_port``, ``timeout``, ``verify``, ...) still work, with
+            an ``ElasticDeprecationWarning`` naming the new spelling.
     """
 
     def __init__(
         self,
         dirpath: str | Path | None = None,
         *,
-        storage_options: dict[str, Any] | None = None,
         every_n_train_steps: int | None = None,
-        train_time_interval: timedelta | float | str | None = None,
         every_n_epochs: int | None = None,
+        train_time_interval: timedelta | float | str | None = None,
         save_on_train_end: bool = True,
-        async_save: bool = True,
-        when_busy: str = "wait",
-        keep_last_n: int | None = None,
-        keep_every_n_steps: int | None = None,
         monitor: str | None = None,
         mode: str = "min",
+        keep_last_n: int | None = None,
         keep_best_k: int | None = None,
-        verify: str = "full",
+        retention: Sequence[RetentionPolicy] | None = None,
         resume: str = "auto",
-        timeout: timedelta | float | None = None,
-        signals: Sequence[str | int] | str = ("SIGTERM", "SIGUSR1"),
-        exit_on_signal: bool = True,
-        compression: str | None = None,
-        trusted: bool = False,
         run_name: str | None = None,
-        mtbf: timedelta | float | str | None = None,
-        max_overhead: float | None = None,
-        min_interval: timedelta | float | str | None = None,
-        metrics_port: int | None = None,
-        straggler_factor: float | None = 1.5,
-        straggler_window: int = 50,
-        history: bool = True,
-        local_dirpath: str | Path | None = None,
-        persist_every_n_saves: int | None = None,
-        replicas: int | None = None,
-        local_keep: int | None = None,
-        node: str | None = None,
+        async_save: bool = True,
+        when_busy: str = "wait",
+        compression: str | None = None,
+        signals: Sequence[str | int] | str = DEFAULT_SIGNALS,
+        exit_on_signal: bool = True,
+        cadence: CadenceOptions | None = None,
+        tiers: TierOptions | None = None,
+        monitoring: MonitoringOptions | None = None,
+        **deprecated: Unpack[DeprecatedOptions],
     ) -> None:
+        moved = translate(
+            type(self).__name__, deprecated, cadence=cadence, tiers=tiers, monitoring=monitoring
+        )
         if dirpath is not None and not isinstance(dirpath, (str, Path)):
             raise ConfigError(f"dirpath must be a path or URL string, got {dirpath!r}")
         self.dirpath = None if dirpath is None else str(dirpath)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
-        self.storage_options = dict(storage_options or {})
         self.run_name = None if run_name is None else check_run_name(run_name)
         self.signals = check_signals(signals)
+        self.cadence = _group(moved.cadence, CadenceOptions, "cadence")
+        self.tiers = _group(moved.tiers, TierOptions, "tiers")
+        self.monitoring = (
+            _group(moved.monitoring, MonitoringOptions, "monitoring") or MonitoringOptions()
+        )
         self._schedule = SaveSchedule(
             every_n_train_steps=every_n_train_steps,
             every_n_epochs=every_n_epochs,
-            cadence=Cadence.of(
-                train_time_interval,
-                mtbf=mtbf,
-                max_overhead=max_overhead,
-                min_interval=min_interval,
-            ),
+            cadence=Cadence.of(train_time_interval, self.cadence),
             signals=self.signals,
         )
-        self.metrics_port = check_port(metrics_port)
-        self.straggler_factor = check_factor(straggler_factor)
-        self.straggler_window = check_count(straggler_window, "straggler_window")
-        self.history = check_bool(history, "history")
-        self._tiers = tier_options(
-            local_dirpath,
-            persist_every_n_saves=persist_every_n_saves,
-            replicas=replicas,
-            local_keep=local_keep,
-            node=node,
-        )
+        self._strategy_options = moved.session  # deprecated spellings, applied at setup
         self._monitor: HealthMonitor | None = None
         self.save_on_train_end = check_bool(save_on_train_end, "save_on_train_end")
         self.async_save = check_bool(async_save, "async_save")
@@ -220,29 +194,23 @@ class DistributedCheckpoint(Checkpoint):
         self.mode = check_choice(mode, "mode", ("min", "max"))
         if monitor is not None and not (isinstance(monitor, str) and monitor):
             raise ConfigError(f"monitor must be a metric name, got {monitor!r}")
-        if keep_best_k is not None and not monitor:
-            raise ConfigError("keep_best_k needs monitor=<metric name>")
         self.monitor = monitor
-        self._retention: list[Any] = []
-        if keep_last_n is not None:
-            self._retention.append(KeepLastN(keep_last_n))
-        if keep_every_n_steps is not None:
-            self._retention.append(KeepEveryNSteps(keep_every_n_steps))
-        if keep_best_k is not None:
-            assert monitor is not None
-            self._retention.append(KeepBestK(keep_best_k, monitor, mode))
-        self.verify = check_choice(verify, "verify", VERIFY_MODES)
-        self.resume = check_choice(resume, "resume", ("auto", "never"))
-        # one timeout: this one or the strategy's checkpoint_timeout (see setup)
-        self.timeout = (
-            None if timeout is None else timedelta(seconds=check_seconds(timeout, "timeout"))
+        self.retention = retention_policies(
+            keep_last_n=keep_last_n,
+            keep_best_k=keep_best_k,
+            monitor=monitor,
+            mode=self.mode,
+            retention=retention,
+            keep_every_n_steps=moved.keep_every_n_steps,
         )
+        self._recorded = recorded_metrics(monitor, self.retention)
+        self.resume = check_choice(resume, "resume", ("auto", "never"))
         self.exit_on_signal = check_bool(exit_on_signal, "exit_on_signal")
         self._leading = False  # elastic_ft: this group wrote the job's last checkpoint
         self._led_since: int | None = None
+        self._pending_since: int | None = None  # the leadership the save in flight began in
         self._replica_seen = 0  # quorum events of the strategy already reported
         self.compression = check_choice(compression, "compression", (None, "zstd"))
-        self.trusted = check_bool(trusted, "trusted")
 
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -260,7 +228,7 @@ class DistributedCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self.dirpath)
+        return callback_state_key(self, dirpath=self.dirpath)
 
     @property
     def engine(self) -> CheckpointEngine:
@@ -300,44 +268,43 @@ class DistributedCheckpoint(Checkpoint):
         check_strategy(trainer)
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        timeout = one_timeout(
-            timeout=self.timeout,
-            checkpoint_timeout=getattr(trainer.strategy, "checkpoint_timeout", None),
-        )
-        session = ElasticSession.of(trainer, timeout)
-        session.timeout = timeout
-        if self.storage_options:
-            session.storage_options = self.storage_options
-        session.trusted = session.trusted or self.trusted
+        options = session_options(trainer.strategy, self._strategy_options)
+        session = ElasticSession.of(trainer, options.timeout)
+        session.timeout = options.timeout
+        session.storage_options = options.storage_options
+        session.trusted = options.trusted
         session.named_run = self.run_name is not None
         session.resume_cost = None  # set again if this fit resumes
         self._session = session
         self._engine = session.engine(
             self.dirpath,
-            storage_options=self.storage_options,
             async_save=self.async_save,
             when_busy=self.when_busy,
-            retention=self._retention,
+            retention=self.retention,
             compression=self.compression,
             run_id=self.run_name,
-            **self._tiers,
+            **({} if self.tiers is None else self.tiers.engine_options()),
         )
         session.writer = self._engine
         if stage == "fit":
             self._engine.check_writable()  # a bad dirpath fails here, not at the first save
         self._schedule.bind(session.ensure_coordinator())
         if _replica_role(trainer) is not _NOT_REPLICAS:
-            # elastic_ft: a signal drains one replica group (the strategy's, agreed with the
-            # other groups at the step); the job's checkpoints are the leader group's
+            # elastic_ft: a signal drains one replica group (the strategy's drain_signals,
+            # agreed with the other groups at the step); the job's checkpoints are the leader
+            # group's
+            self._check_drain_signals(trainer.strategy)
             self._schedule.signals = ()
         self._setup_unix = time.time()
         if stage == "fit":
+            monitoring = self.monitoring
             self._monitor = HealthMonitor(
-                straggler_factor=self.straggler_factor, straggler_window=self.straggler_window
+                straggler_factor=monitoring.straggler_factor,
+                straggler_window=monitoring.straggler_window,
             )
             self._monitor.start(
                 session.ensure_coordinator(),
-                port=self.metrics_port,
+                port=monitoring.metrics_port,
                 local_rank=trainer.local_rank,
             )
         install_resume_hook(
@@ -345,11 +312,25 @@ class DistributedCheckpoint(Checkpoint):
             session,
             self._engine,
             auto=self.resume == "auto" and stage == "fit",
-            verify=self.verify,
+            verify=options.verify,
         )
         install_dataloader_hook(trainer, session)
 
+    def _check_drain_signals(self, strategy: Any) -> None:
+        """Under ``elastic_ft`` the strategy's ``drain_signals`` are the signals: signals set
+        on this callback that differ from them would be ignored, so they are refused."""
+        drain = tuple(getattr(strategy, "drain_signals", ()))
+        if self.signals not in (check_signals(DEFAULT_SIGNALS), drain):
+            names = ",".join(signal_module.Signals(s).name for s in self.signals) or "none"
+            raise ConfigError(
+                f"DistributedCheckpoint(signals={names!r}) does not apply under "
+                "strategy='elastic_ft', where a signal drains a replica group: set "
+                "ElasticFTStrategy(drain_signals=...) instead"
+            )
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._session is not None:
+            self._session.on_train_start()  # the last logged values, for the hooks to come
         warn_forking_workers(  # CPython gh-112275 (Python < 3.11.10): see getting-started.md
             trainer.train_dataloader, async_save=self.async_save, rank=trainer.global_rank
         )
@@ -366,7 +347,7 @@ class DistributedCheckpoint(Checkpoint):
         assert self._monitor is not None and self._session is not None
         engine = self.engine
         history = None
-        if self.history and engine.rank == 0:
+        if self.monitoring.history and engine.rank == 0:
             history = RunHistory(
                 engine.storage,
                 run_id=engine.run_id,
@@ -497,19 +478,27 @@ class DistributedCheckpoint(Checkpoint):
             self._monitor.validation_started()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A ``monitor`` that the validation just run did not log is a mistake (a misspelled
-        name): raise, as ``ModelCheckpoint`` does, rather than record nothing forever."""
+        """A ``monitor`` (or a ``KeepBestK``'s metric) that the validation just run did not
+        log is a mistake (a misspelled name): raise, as ``ModelCheckpoint`` does, rather than
+        record nothing forever."""
         if self._monitor is not None:
             self._monitor.validation_ended()
-        if self.monitor is None or trainer.sanity_checking or trainer.state.fn != "fit":
+        if trainer.sanity_checking or trainer.state.fn != "fit":
             return  # validate()/test() on their own may log other metrics than fit does
-        if self.monitor not in trainer.callback_metrics:
-            logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
-            raise ConfigError(
-                f"DistributedCheckpoint(monitor={self.monitor!r}): no such metric after "
-                f"validation (logged: {logged}); log it with self.log({self.monitor!r}, ...) "
-                "or fix the name"
-            )
+        for name in self._recorded:
+            if name not in trainer.callback_metrics:
+                logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
+                raise ConfigError(
+                    f"DistributedCheckpoint({self._metric_option(name)}): no such metric after "
+                    f"validation (logged: {logged}); log it with self.log({name!r}, ...) "
+                    "or fix the name"
+                )
+
+    def _metric_option(self, name: str) -> str:
+        """The option that asked to record the metric ``name``, as the user wrote it."""
+        if name == self.monitor:
+            return f"monitor={name!r}"
+        return f"retention=[KeepBestK(monitor={name!r})]"
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._schedule.epoch_end(trainer.current_epoch, trainer.global_step)
@@ -557,17 +546,19 @@ class DistributedCheckpoint(Checkpoint):
             self._schedule.saved(trainer.global_step)  # the leader group saved this step
             return
         metrics = {}
-        if self.monitor is not None and self.monitor in trainer.callback_metrics:
-            metrics[self.monitor] = float(trainer.callback_metrics[self.monitor])
-        elif self.monitor is not None and not trainer.enable_validation:
-            # no validation will ever log it: a misspelled training metric, or a validation
-            # metric without a validation loop (with one, on_validation_end checks)
-            logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
-            raise ConfigError(
-                f"DistributedCheckpoint(monitor={self.monitor!r}): no such metric at this save "
-                f"and this fit runs no validation (logged: {logged}); log it with "
-                f"self.log({self.monitor!r}, ...) or fix the name"
-            )
+        for name in self._recorded:
+            if name in trainer.callback_metrics:
+                metrics[name] = float(trainer.callback_metrics[name])
+            elif not trainer.enable_validation:
+                # no validation will ever log it: a misspelled training metric, or a
+                # validation metric without a validation loop (with one, on_validation_end
+                # checks)
+                logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
+                raise ConfigError(
+                    f"DistributedCheckpoint({self._metric_option(name)}): no such metric at "
+                    f"this save and this fit runs no validation (logged: {logged}); log it with "
+                    f"self.log({name!r}, ...) or fix the name"
+                )
         # the previous save's failure surfaces here too (the engine waits for it first)
         failing = self._pending.step if self._pending is not None else trainer.global_step
         with self._counting_failures(failing):
@@ -590,9 +581,9 @@ class DistributedCheckpoint(Checkpoint):
         if score is not None and self._better(score):
             self.best_model_score, self.best_model_path = score, self.last_model_path
         if handle.done():
-            self._report(trainer, handle)
+            self._report(trainer, handle, since=self._led_since)
         else:
-            self._pending = handle
+            self._pending, self._pending_since = handle, self._led_since
             if self._monitor is not None:
                 self._monitor.in_flight()
 
@@ -608,7 +599,8 @@ class DistributedCheckpoint(Checkpoint):
         if handle is None or not (wait or (handle.done() and handle.succeeded())):
             return
         self._pending = None
-        self._report(trainer, handle)  # with wait: raises the save's error, on every rank
+        # with wait: raises the save's error, on every rank
+        self._report(trainer, handle, since=self._pending_since)
 
     @contextlib.contextmanager
     def _counting_failures(self, step: int) -> Iterator[None]:
@@ -620,16 +612,19 @@ class DistributedCheckpoint(Checkpoint):
                 self._monitor.failed(failure_phase(exc), step, exc)
             raise
 
-    def _report(self, trainer: pl.Trainer, handle: SaveHandle) -> None:
+    def _report(self, trainer: pl.Trainer, handle: SaveHandle, *, since: int | None = None) -> None:
         monitor = self._monitor
         try:
             with self._counting_failures(handle.step):
                 result: SaveResult = handle.result()
         except StaleWriterError as exc:
-            if self._leading or _replica_role(trainer) is _NOT_REPLICAS:
-                raise
-            # elastic_ft: this group was the leader when it started the save; another group
-            # leads now (this one was stopped, evicted and healed) and its commit won
+            role = _replica_role(trainer)
+            leads = role is None or (role.leader and role.leader_since == since)
+            if role is _NOT_REPLICAS or leads:
+                raise  # refused while this group still leads: another writer of the run
+            # elastic_ft: this group led when it started the save; another group led since
+            # (this one was stopped, evicted and healed) and took the run's lease, so this
+            # older state is not committed over the newer leader's checkpoints
             log.warning("checkpoint of step %d not committed: %s", handle.step, exc)
             return
         if monitor is not None:
@@ -683,6 +678,9 @@ class DistributedCheckpoint(Checkpoint):
         leader = role is None or role.leader
         since = None if role is None else role.leader_since
         if leader and (not self._leading or since != self._led_since):
+            # a save of an earlier leadership still in flight is settled first (it may be
+            # refused: another group led in between), then the lease is this leadership's
+            self._finish_pending(trainer, wait=True)
             self.engine.take_over(renew=True)
         self._leading, self._led_since = leader, since
         return leader
@@ -726,3 +724,10 @@ def _replica_role(trainer: pl.Trainer) -> Any:
     if not hasattr(trainer.strategy, "replica_checkpoint_state"):
         return _NOT_REPLICAS
     return getattr(trainer.strategy, "role", None)
+
+
+def _group(value: _Group | None, cls: type[_Group], name: str) -> _Group | None:
+    """``value`` if it is a ``cls`` (or ``None``), else a ``ConfigError`` naming the class."""
+    if value is not None and not isinstance(value, cls):
+        raise ConfigError(f"{name} must be a {cls.__name__}(...), got {value!r}")
+    return value

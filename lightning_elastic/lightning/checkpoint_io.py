@@ -92,7 +92,8 @@ class ElasticCheckpointIO(CheckpointIO):
         verify: what a load checks first: ``"full"`` (checksums), ``"size"`` or ``"none"``.
         checksum: the manifest's checksum algorithm (``"xxh3_64"``, ``"crc32"``, ...).
         compression: ``None`` or ``"zstd"``.
-        timeout: how long a save may take before it fails (seconds or a ``timedelta``).
+        checkpoint_timeout: how long a save may take before it fails (seconds or a
+            ``timedelta``; the strategies' option of that name).
         storage_options: fsspec options (credentials, ``endpoint_url``, ...) for every path.
         trusted: unpickle checkpoint objects without the safe-loading allowlist (may run code
             from the checkpoint): only for checkpoints whose origin you trust.
@@ -105,7 +106,7 @@ class ElasticCheckpointIO(CheckpointIO):
         verify: str = "full",
         checksum: str = DEFAULT_ALGORITHM,
         compression: str | None = None,
-        timeout: timedelta | float = timedelta(minutes=10),
+        checkpoint_timeout: timedelta | float = timedelta(minutes=10),
         storage_options: dict[str, Any] | None = None,
         trusted: bool = False,
     ) -> None:
@@ -118,7 +119,7 @@ class ElasticCheckpointIO(CheckpointIO):
         self.verify = verify
         self.checksum = checksum
         self.compression = compression
-        self.timeout = timedelta(seconds=check_seconds(timeout, "timeout"))
+        self.timeout = timedelta(seconds=check_seconds(checkpoint_timeout, "checkpoint_timeout"))
         self.storage_options = dict(storage_options or {})
         self.trusted = trusted
         self.last_result: SaveResult | None = None  # the newest committed save

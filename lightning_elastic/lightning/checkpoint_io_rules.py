@@ -55,6 +55,7 @@ from lightning_elastic.errors import (
     UnsupportedFormatError,
 )
 from lightning_elastic.lightning._compat import (
+    last_checkpoint_files,
     model_checkpoint_dir,
     set_ckpt_path,
     wrap_strategy_connection,
@@ -180,7 +181,7 @@ def last_checkpoint(trainer: Any, fn: str) -> LastCheckpoint | None:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint):
             directories.append(model_checkpoint_dir(callback, trainer))
-            files += [p for p in callback._find_last_checkpoints(trainer) if _is_file(p)]
+            files += [p for p in last_checkpoint_files(callback, trainer) if _is_file(p)]
         elif isinstance(callback, OnExceptionCheckpoint):
             directories.append(split_location(callback.ckpt_path)[0])
             files += [callback.ckpt_path] if _is_file(callback.ckpt_path) else []

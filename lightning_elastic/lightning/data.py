@@ -183,8 +183,8 @@ class ElasticSampler(FollowsTheLoop, Sampler[int]):
         batch_size: int = 1,
         drop_last_batch: bool = False,
     ) -> None:
-        check_count(num_replicas, "num_replicas")
-        check_count(rank, "rank", minimum=0, maximum=num_replicas - 1)
+        num_replicas = check_count(num_replicas, "num_replicas")
+        rank = check_count(rank, "rank", minimum=0, maximum=num_replicas - 1)
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -41,10 +41,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_elastic.core.load.load import Targets
-from lightning_elastic.core.options import check_count
+from lightning_elastic.core.options import check_count, check_duration
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
-from lightning_elastic.lightning._compat import unwrap_optimizer
+from lightning_elastic.lightning._compat import (
+    parallel_sizes,
+    set_data_parallel_size,
+    unwrap_optimizer,
+)
 from lightning_elastic.lightning.strategy import ElasticCheckpointing
 
 __all__ = ["ElasticFSDPStrategy"]
@@ -67,14 +71,17 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         tensor_parallel_size: ranks of one tensor-parallel group (default 1: FSDP only).
         process_group_backend: backend of the training process group (default: nccl on
             GPUs, gloo on CPUs). Checkpoint traffic always uses its own gloo group.
-        timeout: timeout of the training process group.
+        timeout: timeout of the training process group (a ``timedelta`` or seconds, at most a
+            year).
         checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load (a
-            ``timedelta`` or seconds; default 10 minutes).
-        verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
+            ``timedelta`` or seconds; default 10 minutes), for every checkpoint of this trainer.
+        verify: verification before loading any checkpoint: ``"full"``, ``"size"`` or
+            ``"none"``.
         global_batch_size: keep this many samples per optimizer step whatever the world size:
             each data-parallel rank's batch becomes ``global_batch_size / data_parallel_size``.
-        storage_options: fsspec options for checkpoint paths given to ``fit(ckpt_path=...)`` /
-            ``save_checkpoint`` (a ``DistributedCheckpoint``'s own take precedence).
+        storage_options: fsspec options for every checkpoint location this trainer opens (a
+            ``DistributedCheckpoint``'s ``dirpath``, ``fit(ckpt_path=...)``,
+            ``save_checkpoint``).
         trusted: load checkpoint objects without the safe-loading allowlist: only for
             checkpoints whose origin you trust.
     """
@@ -86,7 +93,7 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         *,
         checkpoint_timeout: timedelta | float | None = None,
         verify: str = "full",
@@ -95,8 +102,9 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
         trusted: bool = False,
     ) -> None:
         if data_parallel_size != "auto":
-            check_count(data_parallel_size, "data_parallel_size")
-        check_count(tensor_parallel_size, "tensor_parallel_size")
+            data_parallel_size = check_count(data_parallel_size, "data_parallel_size")
+        tensor_parallel_size = check_count(tensor_parallel_size, "tensor_parallel_size")
+        timeout = None if timeout is None else check_duration(timeout, "timeout")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -117,21 +125,29 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
-        tensor = int(self._tensor_parallel_size)
+        data, tensor = parallel_sizes(self)
+        tensor = int(tensor)
         if world % tensor:
             raise ConfigError(
                 f"tensor_parallel_size={tensor} does not divide the world size {world}: "
                 "run on a multiple of it"
             )
         if self._auto_data_parallel:
-            self._data_parallel_size = world // tensor
-        elif int(self._data_parallel_size) * tensor != world:
+            set_data_parallel_size(self, world // tensor)
+        elif int(data) * tensor != world:
             raise ConfigError(
-                f"data_parallel_size={self._data_parallel_size} x tensor_parallel_size="
+                f"data_parallel_size={data} x tensor_parallel_size="
                 f"{tensor} is not the world size {world}; pass data_parallel_size='auto' to "
                 "follow the world when it changes"
             )
         super().setup_environment()
+
+    def _setup_distributed(self) -> None:
+        """Lightning's process group set-up (``ModelParallelStrategy``'s, not the public
+        ``setup_distributed`` DDP has), on torchrun's agent store under the round's prefix
+        (:func:`~lightning_elastic.lightning.strategy.attempt_store`)."""
+        self._init_on_attempt_store()
+        super()._setup_distributed()
 
     # ------------------------------------------------------------------ saving
 
@@ -242,10 +258,3 @@ class ElasticFSDPStrategy(ElasticCheckpointing, ModelParallelStrategy):
     def _fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
-
-
-StrategyRegistry.register(
-    "elastic_fsdp",
-    ElasticFSDPStrategy,
-    description="FSDP2 with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
-)

@@ -19,22 +19,28 @@ elastic resume). Three things went wrong with LitData 0.2.76 and Lightning, sile
   resumed epoch's length as the loop counts it (batches done + what LitData will yield,
   computed with LitData's own plan, :func:`resume_plan`), so the epoch ends where its data
   ends; the next epoch is counted anew at the new size.
-* **A dataset built before the process group** (e.g. at module level) reads as rank 0: LitData
-  reads the rank from ``GLOBAL_RANK``, which torchrun does not set, when no process group exists
-  yet. Found at setup (:func:`check_ranks`): fixed when only the rank is wrong, refused
-  otherwise.
+* **A dataset built before the process group** (e.g. at module level) reads as rank 0: see
+  :mod:`~lightning_elastic.lightning.litdata_ranks`.
 
 Where LitData's own elastic resume cannot keep every sample once per epoch, a warning at the
 resume says how many samples (see :class:`ResumePlan`).
 
-Which rank calls what: every rank, when Lightning sets up the training data, calls
-:func:`check_ranks` (one all-reduce on the strategy's group when a LitData dataset is there)
-and :func:`adopt` (local); Lightning then calls ``set_epoch`` at every epoch start, on every
-rank (local). Nothing else is collective.
+A state is not given to LitData (:func:`adopt` withholds it from ``load_state_dict``) when
+LitData would replay or refuse it: one saved at the end of an epoch that did not run LitData's
+pass to its end (``limit_train_batches``: LitData replayed the rest of that pass as the next
+epoch), one of a ``CombinedStreamingDataset`` / ``ParallelStreamingDataset`` at another
+topology (LitData raises ``ValueError``: an elastic job could never restart), one that is not
+this loader's (the checkpoint was written with another training dataloader) and one that is
+unreadable (hand-edited or truncated; LitData failed with a bare ``KeyError`` or
+``TypeError``). The interrupted epoch then starts over, with a warning saying what it costs.
 
-LitData internals relied on here (tested with 0.2.76): ``StreamingDataLoader.restore`` and
-``current_epoch``, ``StreamingDataset.distributed_env``, ``input_dir``, ``_datasets`` of its
-combining datasets, ``litdata.utilities.env._DistributedEnv``; and those of
+Which rank calls what: every rank, when Lightning sets up the training data, calls
+:func:`adopt` (local, after :func:`~.litdata_ranks.check_ranks`); Lightning then calls
+``set_epoch`` at every epoch start, on every rank (local). Nothing here is collective.
+
+LitData internals relied on here (tested with 0.2.76): ``StreamingDataLoader.restore``,
+``current_epoch`` and ``load_state_dict``, ``StreamingDataset.input_dir``, ``_datasets`` of its
+combining datasets; and those of
 :mod:`~lightning_elastic.lightning.litdata_plan` (its :func:`~.litdata_plan.missing` names
 what moved).
 """
@@ -44,25 +50,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning_elastic.errors import ConfigError, DataShardingError
+from lightning_elastic.errors import ConfigError, WorldSizeError
 from lightning_elastic.lightning.litdata_plan import (
     ResumePlan,
     elastic,
     litdata_state,
     prepare_state,
     resume_plan,
+    state_problem,
 )
+from lightning_elastic.lightning.litdata_ranks import streaming_datasets
 
 __all__ = [
     "LitDataFollower",
     "LoopPosition",
     "adopt",
-    "check_ranks",
-    "is_streaming_loader",
-    "streaming_datasets",
+    "warn_not_resumable",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,89 +76,25 @@ log = logging.getLogger(__name__)
 _FOLLOWER = "_lightning_elastic_litdata"
 
 
-# ---------------------------------------------------------------------- what is LitData's
+_WARNED: set[str] = set()  # loader classes warned about, once per process
 
 
-def _from_litdata(obj: object, name: str) -> bool:
-    return any(
-        cls.__name__ == name and cls.__module__.startswith("litdata.") for cls in type(obj).__mro__
-    )
-
-
-def is_streaming_loader(loader: object) -> bool:
-    """Whether ``loader`` is LitData's ``StreamingDataLoader`` (or a subclass); LitData is not
-    imported to find out."""
-    return _from_litdata(loader, "StreamingDataLoader")
-
-
-def streaming_datasets(dataset: object) -> list[Any]:
-    """The LitData ``StreamingDataset`` objects ``dataset`` reads from: itself, or those a
-    ``CombinedStreamingDataset`` / ``ParallelStreamingDataset`` combines."""
-    if _from_litdata(dataset, "StreamingDataset"):
-        return [dataset]
-    children = getattr(dataset, "_datasets", None)
-    if not type(dataset).__module__.startswith("litdata.") or not isinstance(children, list):
-        return []
-    return [child for c in children for child in streaming_datasets(c)]
-
-
-# ---------------------------------------------------------------------- ranks
-
-
-def check_ranks(
-    loader: object, *, rank: int, replicas: int, all_agree: Callable[[bool], bool]
-) -> None:
-    """Make every LitData dataset of a training ``loader`` read as ``rank`` of ``replicas``.
-
-    A dataset built before the process group existed read its rank from ``GLOBAL_RANK`` (unset
-    under torchrun and Lightning's own launcher: rank 0) and its world size from
-    ``WORLD_SIZE``. Only the rank wrong: fixed, with a warning (LitData decided nothing else
-    from it). The world size wrong as well (Lightning's launcher sets ``WORLD_SIZE`` after rank
-    0 started): refused on every rank, since LitData also chose ``drop_last`` from it.
-
-    ``all_agree(ok)`` is True when ``ok`` on every rank (a collective: every rank calls this
-    with the same kind of loader).
-
-    Raises:
-        DataShardingError: a dataset was set up for another world size (on every rank).
-    """
-    datasets = streaming_datasets(getattr(loader, "dataset", None))
-    if not datasets:
+def warn_not_resumable(loader: object) -> None:
+    """A LitData dataset read through another loader than LitData's (a torch ``DataLoader``):
+    nothing keeps its position, so say so once, with what to use instead."""
+    kind = type(loader).__name__
+    if kind in _WARNED:
         return
-    from litdata.utilities.env import _DistributedEnv
-
-    problem = None
-    for dataset in datasets:
-        env = dataset.distributed_env
-        if (env.world_size, env.global_rank) == (replicas, rank):
-            continue
-        if env.world_size != replicas:
-            problem = (
-                f"a LitData StreamingDataset ({dataset.input_dir.path or dataset.input_dir.url}) "
-                f"was set up for a world of {env.world_size} (rank {env.global_rank}) and is "
-                f"read by rank {rank} of {replicas}"
-            )
-            continue
-        # its node count stays: it decides the shuffle, and every rank built it the same way
-        dataset.distributed_env = _DistributedEnv(replicas, rank, env.num_nodes)
-        log.warning(
-            "the LitData StreamingDataset of %s was set up before the process group existed "
-            "and would have read rank %d's samples on rank %d: it now reads rank %d's. Build "
-            "it in train_dataloader() or LightningDataModule.setup() (LitData reads the rank "
-            "from GLOBAL_RANK, which torchrun does not set, until the process group exists).",
-            dataset.input_dir.path or dataset.input_dir.url,
-            env.global_rank,
-            rank,
-            rank,
-        )
-    if not all_agree(problem is None):
-        raise DataShardingError(
-            (problem or "another rank's LitData StreamingDataset was set up for another world")
-            + ": it was built before the process group existed (LitData then reads the world "
-            "size from WORLD_SIZE and the rank from GLOBAL_RANK, and chooses drop_last from "
-            "them). Build the StreamingDataset in train_dataloader() or in "
-            "LightningDataModule.setup(), where the process group exists."
-        )
+    _WARNED.add(kind)
+    log.warning(
+        "the training dataloader (%s over a LitData %s) cannot resume within an epoch: "
+        "nothing saves its position, so after a resume the epoch starts over from its first "
+        "batch and samples are trained twice or, at another world size, skipped. Build it "
+        "as litdata.StreamingDataLoader (exact at the same topology, LitData's elastic "
+        "resume at another); see docs/streaming.md.",
+        kind,
+        type(getattr(loader, "dataset", None)).__name__,
+    )
 
 
 # ---------------------------------------------------------------------- following the loop
@@ -162,9 +104,11 @@ class LitDataFollower:
     """Keeps a resumed StreamingDataLoader's epochs where Lightning's loop counts them.
 
     ``length``: the resumed epoch's length as the loop counts it (``None``: the loader's own
-    ``len()``), reported by the loader until the next epoch starts. ``ends_at_start``: nothing
-    of the saved epoch is left for this topology; the loaded state is dropped before the first
-    batch, so the loop's epoch reads a fresh LitData epoch.
+    ``len()``), reported by the loader until the next epoch starts. ``ends_at_start``: the
+    loop starts the next epoch; the loaded state is dropped before the first batch, so that
+    epoch reads a fresh LitData epoch. ``empty``: nothing of the saved epoch is left for this
+    topology; the loader's first pass yields nothing, so the loop ends the epoch there (and
+    ``empty()`` runs where its first batch would be fetched).
 
     Lightning calls :meth:`set_epoch` at every epoch start (through the loader's batch
     sampler): at the first epoch after the resumed one, the loader is told its resumed pass is
@@ -173,11 +117,18 @@ class LitDataFollower:
     """
 
     def __init__(
-        self, loader: Any, trainer: Any, *, length: int | None, ends_at_start: bool
+        self,
+        loader: Any,
+        trainer: Any,
+        *,
+        length: int | None,
+        ends_at_start: bool,
+        empty: Callable[[], None] | None = None,
     ) -> None:
         self.loader = loader
         self.length = length
         self.ends_at_start = ends_at_start
+        self.empty = empty
         self.resumed_epoch: int | None = None  # the loop's epoch the resumed pass belongs to
         self.done = False
         self._trainer = weakref.ref(trainer)
@@ -185,7 +136,8 @@ class LitDataFollower:
 
     def install(self) -> None:
         """Route Lightning's ``set_epoch`` here and, with a ``length``, report it as the
-        loader's ``len()`` (its class becomes a subclass that asks this object)."""
+        loader's ``len()`` (its class becomes a subclass that asks this object, also whether
+        its next pass is ``empty``)."""
         from lightning_elastic.lightning.streaming import EpochSignal
 
         self.loader.batch_sampler.sampler = EpochSignal(self)
@@ -220,7 +172,8 @@ _COUNTED: dict[type, type] = {}
 
 
 def _counted(cls: type) -> type:
-    """``cls`` with a ``__len__`` that reports its follower's ``length``, when it has one."""
+    """``cls`` with a ``__len__`` that reports its follower's ``length``, when it has one, and
+    an ``__iter__`` that yields nothing when its follower says the pass is ``empty``."""
     counted = _COUNTED.get(cls)
     if counted is None:
 
@@ -230,9 +183,29 @@ def _counted(cls: type) -> type:
                 return int(follower.length)
             return int(cls.__len__(self))  # type: ignore[attr-defined]
 
-        counted = type(cls.__name__, (cls,), {"__len__": __len__, "__qualname__": cls.__qualname__})
+        def __iter__(self: Any) -> Any:
+            follower = self.__dict__.get(_FOLLOWER)
+            if follower is not None and follower.empty is not None:
+                at_fetch, follower.empty = follower.empty, None
+                return _empty_pass(at_fetch)
+            return cls.__iter__(self)  # type: ignore[attr-defined]
+
+        counted = type(
+            cls.__name__,
+            (cls,),
+            {"__len__": __len__, "__iter__": __iter__, "__qualname__": cls.__qualname__},
+        )
         _COUNTED[cls] = counted
     return counted
+
+
+def _empty_pass(at_fetch: Callable[[], None]) -> Iterator[Any]:
+    at_fetch()  # where the loop asks for the first batch
+    yield from ()
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,47 +237,154 @@ def adopt(
     states: list[Any],
     loop: LoopPosition,
     global_batch_size: int | None = None,
+    at_empty_pass: Callable[[], None] | None = None,
 ) -> LitDataFollower | None:
     """Set up a training StreamingDataLoader of a fit at ``world`` data-parallel ranks:
     ``states`` are the dataloader states Lightning will load (see :func:`litdata_state`),
     ``loop`` where its fit loop stands. Returns the follower of a resumed loader, or ``None``.
+    ``at_empty_pass()`` runs where the first resumed batch would start when the resumed epoch
+    has none left at this topology (the loop ends it there).
+
+    A state LitData cannot resume is not given to it (the interrupted epoch starts over, with
+    a warning): one it refuses (a combining dataset at another topology), one that is not
+    this loader's (the checkpoint was written with another training dataloader) or one that
+    is unreadable (hand-edited or truncated).
 
     Raises:
         ConfigError: ``global_batch_size`` differs from the loader's batch size times ``world``
             (a StreamingDataLoader cannot be rebuilt with another batch size).
     """
-    batch = int(loader.batch_size or 1)
-    if global_batch_size is not None and global_batch_size != batch * world:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} needs a per-rank batch of "
-            f"{global_batch_size / world:g} at world size {world}, but the StreamingDataLoader "
-            f"has batch_size={batch}: build it with batch_size=global_batch_size // world_size "
-            "in train_dataloader() (it cannot be rebuilt with another batch size)"
-        )
+    _check_batch(loader, world, global_batch_size)
     state = litdata_state(loader, states)
-    if state is None or not trainer.fit_loop.restarting:  # Lightning loads no state then
-        _continue_epochs(loader, trainer, loop, state)
+    problem = None if state is None else state_problem(state)
+    if not trainer.fit_loop.restarting:  # Lightning loads no state then
+        _continue_epochs(loader, trainer, loop, None if problem else state)
         return None
-    length, ends_at_start = None, False
-    if streaming_datasets(loader.dataset) == [loader.dataset] and elastic(loader, state, world):
+    if state is None or problem is not None:
+        if states:  # Lightning gives this loader one of them
+            why = f"unreadable: {problem}" if problem else _not_ours(loader)
+            _ignore_state(loader, trainer, loop, why, None)
+        else:
+            _continue_epochs(loader, trainer, loop, None)
+        return None
+    if loop.batches == 0:
+        # the loop starts an epoch: the state is of the one before, saved at its end but not
+        # run to LitData's end (limit_train_batches): LitData would go on replaying it
+        _withhold(loader, lambda: _continue_epochs(loader, trainer, loop, state))
+        return None
+    single = streaming_datasets(loader.dataset) == [loader.dataset]
+    changed = elastic(loader, state, world)
+    if not single and changed:  # LitData resumes these at the saved topology only
+        _ignore_state(loader, trainer, loop, _refused(state, loader, world), state)
+        return None
+    length, ends_at_start, empty = None, False, False
+    if single and changed:
         plan = resume_plan(loader, state, world)
         prepare_state(loader, state, world)
-        if plan.common == 0 or loop.last_batch:  # nothing of the saved epoch is left
-            ends_at_start = True
-            fresh = len(loader)
-            if not loop.last_batch:
-                length = loop.batches  # the loop ends the epoch at once, without a batch
-            elif loop.batches >= fresh:
-                length = fresh  # the loop starts a new epoch at batch 0
-            else:  # it counts on from `batches` over a whole epoch (see ElasticSampler._settle)
-                length = loop.batches + fresh
-        else:
-            length = loop.batches + plan.common
+        length, ends_at_start, empty = _elastic_epoch(loader, loop, plan)
         if trainer.global_rank == 0:
-            _report(plan, state, world, loader, length)
-    follower = LitDataFollower(loader, trainer, length=length, ends_at_start=ends_at_start)
+            _report(plan, state, world, loader, loop.batches if empty else length, loop.epoch)
+    follower = LitDataFollower(
+        loader,
+        trainer,
+        length=length,
+        ends_at_start=ends_at_start,
+        empty=(at_empty_pass or _nothing) if empty else None,
+    )
     follower.install()
     return follower
+
+
+def _elastic_epoch(loader: Any, loop: LoopPosition, plan: ResumePlan) -> tuple[int, bool, bool]:
+    """The resumed epoch's length as the loop counts it at the new topology, whether the loop
+    starts the next epoch (``ends_at_start``) and whether nothing is left of this one
+    (``empty``)."""
+    if loop.last_batch:  # Lightning starts the next epoch (a save at this one's end)
+        fresh = len(loader)
+        # a new epoch at batch 0 or, counting on from `batches`, over a whole epoch (see
+        # ElasticSampler._settle)
+        return (fresh if loop.batches >= fresh else loop.batches + fresh), True, False
+    if plan.common == 0:
+        # nothing of the saved epoch is left here: the loop's epoch ends without a batch (an
+        # empty pass). Reporting `batches` as its length instead made Lightning start the
+        # epoch over (a restart with every batch done resets its batch counter), and the next
+        # LitData epoch ran as the rest of this one: 88 of 96 samples twice
+        return loop.batches + 1, False, True
+    return loop.batches + plan.common, False, False
+
+
+def _check_batch(loader: Any, world: int, global_batch_size: int | None) -> None:
+    batch = int(loader.batch_size or 1)
+    if global_batch_size is None or global_batch_size == batch * world:
+        return
+    if global_batch_size % world:
+        raise WorldSizeError(
+            f"global_batch_size={global_batch_size} is not divisible by the world size {world}; "
+            "choose a multiple of every world size you may run with (e.g. a multiple of 6 for "
+            "1, 2 or 3 processes)"
+        )
+    raise ConfigError(
+        f"global_batch_size={global_batch_size} needs a per-rank batch of "
+        f"{global_batch_size // world} at world size {world}, but the StreamingDataLoader "
+        f"has batch_size={batch}: build it with batch_size=global_batch_size // world_size "
+        "in train_dataloader() (it cannot be rebuilt with another batch size)"
+    )
+
+
+def _not_ours(loader: Any) -> str:
+    dirs = [d.input_dir.path or d.input_dir.url for d in streaming_datasets(loader.dataset)]
+    return (
+        f"none of its training dataloader states reads {', '.join(map(str, dirs))}: it was "
+        "written with another dataloader or data"
+    )
+
+
+def _refused(state: dict[str, Any], loader: Any, world: int) -> str:
+    first = next(iter(state["dataset"].values()))
+    return (
+        f"LitData resumes a {type(loader.dataset).__name__} only at the topology it was saved "
+        f"at ({first['world_size']} rank(s) x {first['num_workers']} worker(s) x batch "
+        f"{first['batch_size']}; now {world} x {max(1, loader.num_workers or 0)} x "
+        f"{int(loader.batch_size or 1)})"
+    )
+
+
+def _withhold(loader: Any, instead: Callable[[], None]) -> None:
+    """The state Lightning hands ``loader`` next is not given to LitData: ``instead()`` runs
+    in its place (once; LitData's ``load_state_dict`` is the loader's own again)."""
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        del loader.load_state_dict
+        instead()
+
+    loader.load_state_dict = load_state_dict
+
+
+def _ignore_state(
+    loader: Any, trainer: Any, loop: LoopPosition, why: str, state: dict[str, Any] | None
+) -> None:
+    """The state Lightning will hand ``loader`` is not given to LitData: the loop's epoch
+    reads LitData's epoch (the saved one, when readable) from its start."""
+    saved = None if state is None else int(state["current_epoch"])
+
+    def ignored() -> None:
+        if saved is not None and saved > 0:
+            loader.current_epoch = saved - 1  # its next iter() starts the saved epoch over
+        else:
+            _continue_epochs(loader, trainer, loop, None)
+        if trainer.global_rank == 0:
+            log.warning(
+                "the training StreamingDataLoader's state in the checkpoint is not resumed "
+                "(%s): its epoch starts over, while the loop counts the %d batch(es) it did "
+                "of epoch %d before the save, so samples trained before it may be trained again "
+                "and others not in that epoch. Resume at the saved topology with the saved "
+                "dataloader for an exact continuation; see docs/streaming.md.",
+                why,
+                loop.batches,
+                loop.epoch,
+            )
+
+    _withhold(loader, ignored)
 
 
 def _continue_epochs(
@@ -332,13 +412,17 @@ def _report(
     world: int,
     loader: Any,
     length: int,
+    epoch: int,
 ) -> None:
-    """The resume in one line (rank 0), and a warning when samples are not trained once."""
+    """The resume in one line (rank 0), and a warning when samples are not trained once
+    (``epoch``: the loop's, which LitData counts from 1 instead of 0)."""
     s = state["dataset"]
     saved = (s.get("world_size"), s.get("num_workers"), s.get("batch_size"))
     log.info(
-        "LitData resumes its epoch %s, saved at %s rank(s) x %s worker(s) x batch %s, at %d x "
-        "%d x %d: %d batch(es) per rank left, the loop's epoch ends after batch %d%s",
+        "LitData resumes the loop's epoch %d (LitData's epoch %s), saved at %s rank(s) x %s "
+        "worker(s) x batch %s, at %d x %d x %d: %d batch(es) per rank left, the loop's epoch "
+        "ends after batch %d%s",
+        epoch,
         s.get("current_epoch"),
         *saved,
         world,
@@ -366,9 +450,10 @@ def _report(
         )
     if problems:
         log.warning(
-            "LitData's elastic resume cannot train every sample of epoch %s once at the new "
-            "topology: %s. Resume at the saved topology (%s rank(s), %s worker(s), batch %s) "
-            "for an exact continuation; see docs/streaming.md.",
+            "LitData's elastic resume cannot train every sample of epoch %d (LitData's epoch "
+            "%s) once at the new topology: %s. Resume at the saved topology (%s rank(s), %s "
+            "worker(s), batch %s) for an exact continuation; see docs/streaming.md.",
+            epoch,
             s.get("current_epoch"),
             "; ".join(problems),
             *saved,

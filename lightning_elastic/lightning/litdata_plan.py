@@ -29,6 +29,7 @@ __all__ = [
     "missing",
     "prepare_state",
     "resume_plan",
+    "state_problem",
 ]
 
 REQUIREMENTS: tuple[tuple[str, str], ...] = (
@@ -77,32 +78,95 @@ class ResumePlan:
 
 def litdata_state(loader: Any, states: list[Any] | None) -> dict[str, Any] | None:
     """The state in ``states`` (Lightning's pending training-loader states) that belongs to
-    the StreamingDataLoader ``loader``: the one over the same input directory."""
-    where = (loader.dataset.input_dir.path, loader.dataset.input_dir.url)
+    the StreamingDataLoader ``loader``: the one over the same input directory or, for a
+    ``CombinedStreamingDataset`` / ``ParallelStreamingDataset``, the same input directories
+    in the same order."""
+    where = _input_dirs(loader.dataset)
     for state in states or ():
         dataset = state.get("dataset") if isinstance(state, dict) else None
-        if (
-            isinstance(dataset, dict)
-            and "input_dir_path" in dataset  # a StreamingDataset's
-            and (dataset["input_dir_path"], dataset.get("input_dir_url")) == where
-        ):
+        if isinstance(dataset, dict) and _state_dirs(dataset) == where:
             return cast(dict[str, Any], state)
     return None
 
 
+def _input_dirs(dataset: Any) -> list[tuple[Any, Any]]:
+    children = getattr(dataset, "_datasets", None)
+    if isinstance(children, list):  # LitData's combining datasets take StreamingDatasets only
+        return [(c.input_dir.path, c.input_dir.url) for c in children]
+    return [(dataset.input_dir.path, dataset.input_dir.url)]
+
+
+def _state_dirs(dataset: dict[Any, Any]) -> list[tuple[Any, Any]] | None:
+    if "input_dir_path" in dataset:  # a StreamingDataset's
+        return [(dataset["input_dir_path"], dataset.get("input_dir_url"))]
+    dirs = []
+    for i in range(len(dataset)):  # a combining one's: "0", "1", ...
+        child = dataset.get(str(i))
+        if not isinstance(child, dict) or "input_dir_path" not in child:
+            return None
+        dirs.append((child["input_dir_path"], child.get("input_dir_url")))
+    return dirs or None
+
+
+_COUNTS = ("num_samples_yielded", "current_epoch")  # of a StreamingDataset's state, >= 0
+_SIZES = ("num_workers", "batch_size", "world_size")  # >= 1
+_OPTIONAL_COUNTS = ("sample_in_epoch", "num_canonical_nodes")
+_OPTIONAL_SIZES = ("initial_world_size", "initial_num_workers", "initial_batch_size")
+
+
+def state_problem(state: dict[str, Any]) -> str | None:
+    """What makes ``state`` (a StreamingDataLoader's, as :func:`litdata_state` found it)
+    unusable, in words, or ``None``: a hand-edited or truncated entry that LitData (or the
+    plan) would fail on with a bare ``KeyError`` / ``TypeError`` deep inside the fit."""
+    for key in ("current_epoch", "latest_worker_idx"):
+        if not _whole(state.get(key), 0):
+            return f"{key}={state.get(key)!r}"
+    dataset = state["dataset"]
+    if "input_dir_path" in dataset:
+        children = [("dataset", dataset)]
+        if not _whole(state.get("num_samples_yielded"), 0):
+            return f"num_samples_yielded={state.get('num_samples_yielded')!r}"
+    else:
+        children = [(f"dataset {k}", c) for k, c in dataset.items()]
+        if not isinstance(state.get("num_samples_yielded"), dict):
+            return f"num_samples_yielded={state.get('num_samples_yielded')!r}"
+    for name, child in children:
+        for keys, least, optional in (
+            (_COUNTS, 0, False),
+            (_SIZES, 1, False),
+            (_OPTIONAL_COUNTS, 0, True),
+            (_OPTIONAL_SIZES, 1, True),
+        ):
+            for key in keys:
+                if not (optional and key not in child) and not _whole(child.get(key), least):
+                    return f"{name} {key}={child.get(key)!r}"
+        for key in ("seed", "shuffle", "drop_last"):
+            if not isinstance(child.get(key), int):  # bools are ints
+                return f"{name} {key}={child.get(key)!r}"
+    return None
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and value >= least
+
+
 def elastic(loader: Any, state: dict[str, Any], world: int) -> bool:
-    """Whether LitData resumes ``state`` with its elastic plan (as its ``load_state_dict``
-    decides: another topology, or the state itself came from an elastic resume)."""
+    """Whether LitData resumes ``state`` at another topology (as its ``load_state_dict``
+    decides): with its elastic plan for a StreamingDataset (also when the state itself came
+    from an elastic resume); a combining dataset's it refuses."""
     from litdata.streaming.elastic import topology_changed
 
     dataset_state = state["dataset"]
-    return dataset_state.get("resume_mode") == "elastic" or bool(
+    single = "input_dir_path" in dataset_state
+    children = [dataset_state] if single else list(dataset_state.values())
+    return (single and dataset_state.get("resume_mode") == "elastic") or any(
         topology_changed(
-            dataset_state,
+            child,
             world_size=world,
             num_workers=loader.num_workers or 1,
             batch_size=int(loader.batch_size or 1),
         )
+        for child in children
     )
 
 
@@ -154,11 +218,14 @@ def resume_plan(loader: Any, state: dict[str, Any], world: int) -> ResumePlan:
         start = first - first % (world * batch)
         skipped = 0
     common = min(batches, default=0)
+    # the samples done again lead what is dealt; drop_last trims its end (all of it, when
+    # fewer than the new topology's global batch are left)
+    repeated = 0 if replay else min(done - start, planned)
     return ResumePlan(
         batches,
-        repeated=0 if replay else done - start,
+        repeated=repeated,
         skipped=skipped,
-        dropped=0 if replay else max(0, len(stream) - start - skipped - planned),
+        dropped=0 if replay else max(0, len(stream) - done - skipped - (planned - repeated)),
         uneven=sum(b - common for b in batches),
     )
 

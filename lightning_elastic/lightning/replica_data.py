@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -43,6 +45,7 @@ from lightning_elastic.core.replicas.plan import (
     EpochQueue,
     QueuePlan,
     commit,
+    commit_rounds,
     slot_samples,
     step_samples,
     steps_left,
@@ -87,10 +90,12 @@ class ReplicaData:
         group_size: int,
         dataset: Any,
         collate_fn: Any,
+        accumulate: int = 1,
     ) -> None:
         self.plan = plan
         self.batch_size = batch_size
         self.global_batch_size = global_batch_size
+        self.accumulate = accumulate
         self.group_rank = group_rank
         self.group_size = group_size
         self.dataset = dataset
@@ -154,11 +159,7 @@ class ReplicaData:
         """The window's step committed with the slots ``contributed`` says."""
         window = self.window
         assert window is not None, "commit without a window"
-        slots = len(contributed)
-        queue = self.queue
-        for samples in window.rounds:
-            if samples:
-                queue = commit(self.plan, queue, samples, slots, list(contributed))
+        queue = commit_rounds(self.plan, self.queue, window.rounds, len(contributed), contributed)
         with self._lock:
             self.queue = queue
         self.window = None
@@ -170,20 +171,57 @@ class ReplicaData:
     # ------------------------------------------------------------------ live state
 
     def state(self) -> dict[str, Any]:
-        """What a joining group needs (JSON): the queue."""
-        return {"queue": self.queue.to_json(), "length": self.plan.length}
+        """What a joining group needs (JSON): the queue, and what every group must agree on
+        to compute the same steps from it."""
+        return {"queue": self.queue.to_json(), "length": self.plan.length, "agree": self._agree()}
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Take a peer's :meth:`state`."""
+    def load_state(self, state: dict[str, Any], *, peer: bool = False) -> None:
+        """Take a peer's :meth:`state` (``peer``: a live group's, whose training configuration
+        must be this group's; a checkpoint's may have had another batch size)."""
         if int(state.get("length", -1)) != self.plan.length:
             raise ConfigError(
                 f"the replica groups train different datasets: {state.get('length')} samples "
                 f"in the peer's, {self.plan.length} in this group's; every group must train "
                 "the same dataset"
             )
+        theirs = state.get("agree")
+        if peer and isinstance(theirs, dict) and theirs != (mine := self._agree()):
+            differ = ", ".join(
+                f"{key}={theirs.get(key)!r} there, {mine.get(key)!r} here"
+                for key in sorted(set(mine) | set(theirs))
+                if theirs.get(key) != mine.get(key)
+            )
+            raise ConfigError(
+                "this replica group's training data is configured unlike the running groups' "
+                f"({differ}); every group must train with the same DataLoader (batch_size, "
+                "shuffle, drop_last, seed), global_batch_size and accumulate_grad_batches"
+            )
         with self._lock:
             self.queue = EpochQueue.from_json(state["queue"])
         self.window = None
+
+    def _agree(self) -> dict[str, Any]:
+        """The settings every group must share to split the queue the same way."""
+        plan = self.plan
+        return {
+            "shuffle": plan.shuffle,
+            "seed": plan.seed if plan.shuffle else 0,
+            "drop_last": plan.drop_last,
+            "global_batch_size": self.global_batch_size,
+            # without global_batch_size the DataLoader's batch_size makes the global batch
+            "batch_size": self.batch_size if self.global_batch_size is None else None,
+            "accumulate_grad_batches": self.accumulate,
+            "processes_per_group": self.group_size,
+        }
+
+    def agreement(self) -> int:
+        """A digest in ``[1, 2**16)`` of what the current window depends on (the settings and
+        the queue at its start): equal on every process of every group taking part."""
+        window = self.window
+        parts = [self._agree(), self.queue.to_json(), self.plan.length]
+        parts.append(None if window is None else len(window.rounds))
+        digest = hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "big") % (2**16 - 1) + 1
 
     # ------------------------------------------------------------------ predictions
 
@@ -277,6 +315,7 @@ def make_replica_loader(
         group_size=group_size,
         dataset=dataloader.dataset,
         collate_fn=dataloader.collate_fn,
+        accumulate=max(1, accumulate),
     )
     batch_sampler = ReplicaBatchSampler(data, bound=plan.length * max(1, accumulate))
     rebuilt = reinstantiate_dataloader(

@@ -74,6 +74,9 @@ class LiveState:
                 f"replica groups must have the same number of processes: the peer's has "
                 f"{state.get('group_size')}, this one {strategy.world_size}"
             )
+        data = strategy._data
+        if state.get("data") is not None and data is not None:
+            data.load_state(state["data"], peer=True)  # first: refuses another configuration
         strategy.lightning_module.load_state_dict(state["model"])
         for optimizer, saved in zip(strategy.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
@@ -91,8 +94,6 @@ class LiveState:
         writer = _writer(trainer)
         if writer is not None and isinstance(state.get("run_id"), str):
             writer.adopt_run(state["run_id"])  # one run, whichever group writes it
-        if state.get("data") is not None and strategy._data is not None:
-            strategy._data.load_state(state["data"])
 
     def replay_window(self, length: int) -> None:
         """A heal while the step is redone: the peer's counters are those of the window's

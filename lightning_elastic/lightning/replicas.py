@@ -40,7 +40,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
@@ -50,7 +50,13 @@ from lightning_elastic.core.options import check_choice, check_signals
 from lightning_elastic.core.policy.triggers import SignalFlag
 from lightning_elastic.core.replicas.group import ReplicaGroup, ReplicaOptions, unflatten_into
 from lightning_elastic.errors import ConfigError, ReplicaGroupError
-from lightning_elastic.lightning._compat import set_closure_batch, training_results
+from lightning_elastic.lightning._compat import (
+    before_batch_transfer,
+    set_closure_batch,
+    trainer_of,
+    training_results,
+    validates_by_time,
+)
 from lightning_elastic.lightning.replica_data import (
     ReplicaBatchSampler,
     ReplicaData,
@@ -96,17 +102,22 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             is redone without the group that did not answer.
         quorum_timeout: seconds to wait for a quorum (the Lighthouse gone, too few groups)
             before :class:`~lightning_elastic.errors.ReplicaGroupError`.
+        connect_timeout: seconds to wait for the Lighthouse to answer when the group starts
+            (a wrong address fails with ``ReplicaGroupError`` after this long).
         drain_signals: signals that make this group leave at the next step boundary (a planned
             drain: nothing is thrown away); when every group gets one, the leader writes a
-            last checkpoint first. Exit code ``128 + signal``.
+            last checkpoint first. Exit code ``128 + signal``. They replace a
+            ``DistributedCheckpoint``'s ``signals`` under this strategy (the callback refuses
+            other ones).
         global_batch_size: samples per round whoever takes part (each process trains its share);
             default: the DataLoader's ``batch_size`` per process, so the global batch follows the
             number of processes taking part.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (the group's own process group).
-        checkpoint_timeout, verify, storage_options, trusted: as for ``ElasticStrategy``;
-            ``trusted`` also loads a peer's live state without the safe-loading allowlist.
+        checkpoint_timeout, verify, storage_options, trusted: as for ``ElasticStrategy`` (every
+            checkpoint of this trainer, ``DistributedCheckpoint``'s included); ``trusted`` also
+            loads a peer's live state without the safe-loading allowlist.
     """
 
     strategy_name = "elastic_ft"
@@ -127,6 +138,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         min_replica_groups: int = 1,
         step_timeout: float = 30.0,
         quorum_timeout: float = 300.0,
+        connect_timeout: float = 30.0,
         drain_signals: Sequence[str | int] | str = ("SIGTERM", "SIGUSR1"),
         global_batch_size: int | None = None,
         checkpoint_timeout: timedelta | float | None = None,
@@ -158,6 +170,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             min_groups=min_replica_groups,
             step_timeout=step_timeout,
             quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
             trusted=trusted,
         )
         self.drain_signals = check_signals(drain_signals, "drain_signals")
@@ -373,13 +386,17 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         while True:
             window = self._window
             params = self._params()
+            used = [p.grad is not None for p in params]
             grads = [_grad_of(p) for p in params]
+            assert self._data is not None
             reduced = self.replicas.reduce(
                 grads,
                 samples=float(window.samples),
                 weight=float(len(window.rounds)) * window.nominal,
                 view=window.view,
                 leaving=self._flag is not None and self._flag.received != 0,
+                used=used,
+                agreement=self._data.agreement(),
             )
             committed = self.replicas.commit() and reduced is not None
             if committed and reduced is not None:
@@ -393,7 +410,9 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
                 )
             loss = self._redo(trainer, closure)
         unflatten_into(grads, reduced.flats)
-        assert self._data is not None
+        for param, anyone in zip(params, reduced.used, strict=True):
+            if not anyone:  # no process's backward reached it: unused, as under DDP
+                param.grad = None
         self._data.commit(reduced.contributed)
         view = self._window.view
         self.committed_samples = [
@@ -427,7 +446,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
 
     def _fit_trainer(self) -> Any:
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = trainer_of(module) if module is not None else None
         if trainer is None or self.replicas is None or not trainer.training:
             return None
         return trainer
@@ -501,7 +520,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
         batch = trainer.precision_plugin.convert_input(batch)
         module = self.lightning_module
         assert module is not None
-        return module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return before_batch_transfer(module, batch)
 
     def _set_epoch_length(self, trainer: Any) -> None:
         """The loop's epoch ends when the queue is empty: ``num_training_batches`` is the
@@ -513,7 +532,7 @@ class ElasticFTStrategy(ElasticCheckpointing, DDPStrategy):
             ready -= self._micro_batch(trainer)  # the window's rounds are still in the queue
         loop.max_batches = ready + self._data.rounds_left()
         interval = trainer.val_check_interval
-        if isinstance(interval, float) and not getattr(trainer, "_val_check_time_interval", None):
+        if isinstance(interval, float) and not validates_by_time(trainer):
             trainer.val_check_batch = max(1, int(loop.max_batches * interval))
 
     def _params(self) -> list[torch.Tensor]:
@@ -531,10 +550,3 @@ def _grad_of(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
-
-
-StrategyRegistry.register(
-    "elastic_ft",
-    ElasticFTStrategy,
-    description="replica groups that leave and join without a restart (lightning_elastic, torchft)",
-)

@@ -46,15 +46,16 @@ from lightning_elastic.lightning._compat import (
     dump_checkpoint,
     finish_fit_loop_restart,
     pending_loader_states,
+    training_epoch_open,
 )
 from lightning_elastic.lightning.loader_states import LoaderStates
-from lightning_elastic.lightning.metrics import (
+from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
+from lightning_elastic.lightning.torchmetrics_state import (
     fold_metric_states,
     metric_states,
     reset_metrics,
     restore_metric_states,
 )
-from lightning_elastic.lightning.per_rank import HINT, per_rank_rules
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,14 +110,15 @@ class ElasticSession:
         self.resumed: LoadResult | None = None
         self.resume_cost: ResumeCost | None = None
         self._config: str | bool | None = False  # False: not looked up yet
-        # fsspec options of every checkpoint location this trainer opens (the strategy's,
-        # overridden by the callback's): never open a checkpoint without the credentials
+        # fsspec options of every checkpoint location this trainer opens (the strategy's; the
+        # callback sets them again from its deprecated spelling, see checkpoint_options.py):
+        # never open a checkpoint without the credentials
         self.storage_options: dict[str, Any] = dict(
             getattr(trainer.strategy, "storage_options", None) or {}
         )
         self.global_batch_size: int | None = None  # set by ElasticStrategy
-        # unpickle checkpoint objects without the safe-loading allowlist (strategy's or
-        # callback's trusted=True)
+        # unpickle checkpoint objects without the safe-loading allowlist (the strategy's
+        # trusted=True, or the callback's deprecated spelling of it)
         self.trusted = bool(getattr(trainer.strategy, "trusted", False))
         # the callback was given a run_name: auto-resume considers only that run
         self.named_run = False
@@ -188,7 +190,7 @@ class ElasticSession:
         trainer = self.trainer
         if checkpoint is None:
             checkpoint = dump_checkpoint(trainer)
-        if trainer.training:  # the loop may have fetched the next batch already
+        if _in_training(trainer):  # the loop may have fetched the next batch already
             checkpoint = self.loader_states.apply(checkpoint)
         position = self.data_position()
         world = self.ensure_coordinator().world_size
@@ -231,7 +233,7 @@ class ElasticSession:
         """Where the training epoch stands, from the loop's own batch counter."""
         sampler = self.sampler
         trainer = self.trainer
-        if sampler is None or not trainer.training:
+        if sampler is None or not _in_training(trainer):
             return None
         batches = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
         position = sampler.position(batches)
@@ -479,7 +481,8 @@ class ElasticSession:
         """Give a training dataloader an :class:`ElasticSampler` (continuing a resumed epoch);
         a LitData ``StreamingDataLoader`` keeps its own position, its epochs kept where the
         loop counts them (:mod:`~lightning_elastic.lightning.litdata_loaders`); other
-        dataloaders pass through.
+        dataloaders pass through. LitData datasets of every stage's dataloaders are checked
+        to read this rank's samples.
 
         Raises:
             DataShardingError: a LitData dataset was set up for another world size.
@@ -487,24 +490,27 @@ class ElasticSession:
         from lightning.pytorch.trainer.states import RunningStage
 
         from lightning_elastic.lightning import litdata_loaders as litdata
+        from lightning_elastic.lightning import litdata_ranks
         from lightning_elastic.lightning.data import make_elastic
 
         trainer = self.trainer
-        if trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
+        stage = trainer.state.stage
         # data-parallel ranks (with tensor parallelism, fewer than the world)
         replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {
             "num_replicas": trainer.world_size,
             "rank": trainer.global_rank,
         }
         rank, world = replicas["rank"], replicas["num_replicas"]
-        litdata.check_ranks(
+        litdata_ranks.check_ranks(
             dataloader,
             rank=rank,
             replicas=world,
             all_agree=lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+            hook=f"{getattr(stage, 'dataloader_prefix', None) or 'train'}_dataloader()",
         )
-        if litdata.is_streaming_loader(dataloader):  # keeps its own position: see there
+        if stage != RunningStage.TRAINING:
+            return dataloader
+        if litdata_ranks.is_streaming_loader(dataloader):  # keeps its own position: see there
             self.adopt_sampler(None)
             litdata.adopt(
                 dataloader,
@@ -513,7 +519,12 @@ class ElasticSession:
                 states=pending_loader_states(trainer),
                 loop=litdata.LoopPosition.of(trainer),
                 global_batch_size=self.global_batch_size,
+                at_empty_pass=self.restore_rank_state,
             )
+            return dataloader
+        if litdata_ranks.streaming_datasets(getattr(dataloader, "dataset", None)):
+            litdata.warn_not_resumable(dataloader)  # e.g. a torch DataLoader over LitData's
+            self.adopt_sampler(None)
             return dataloader
         dataloader, sampler = make_elastic(
             dataloader, num_replicas=world, rank=rank, global_batch_size=self.global_batch_size
@@ -530,12 +541,28 @@ class ElasticSession:
             sampler.resume(self.pending_position)
             self.pending_position = None
 
+    def on_train_start(self) -> None:
+        """At the start of a resumed fit's training: put back the last logged values
+        (``trainer.callback_metrics``: Lightning reset them after the checkpoint was loaded),
+        so the hooks before the first resumed batch (``on_train_epoch_start``, every
+        callback's ``on_train_batch_start``) read them as an unbroken run does."""
+        pending = self.pending_rank_state
+        if pending is not None:
+            decoded = logged.restore_last(self.trainer, pending.get(logged.RANK_STATE_KEY))
+            pending[logged.RANK_STATE_KEY] = decoded  # read once
+
     def on_train_batch_start(self) -> None:
         """At every training batch's start: note the dataloaders' states (a save taken
         before the next batch holds them); right before the first resumed step, put back this
         rank's RNG, metric states and logged values (after dataloader iterators were created,
         so they cannot shift the streams; at the point of the batch where they were saved)."""
         self.loader_states.record(self.trainer)
+        self.restore_rank_state()
+
+    def restore_rank_state(self) -> None:
+        """Put back this rank's RNG, metric states and logged values, if a resume left them
+        pending (once): at the first resumed batch's start or, when the resumed epoch has no
+        batch left (a LitData loader's empty pass), where it would have started."""
         pending = self.pending_rank_state
         if pending is None:
             return
@@ -552,6 +579,14 @@ class ElasticSession:
         if logged.restore(self.trainer, pending.get(logged.RANK_STATE_KEY)):
             # what epoch-end plateau steps read is back: Lightning may step them again
             finish_fit_loop_restart(self.trainer)
+
+
+def _in_training(trainer: Any) -> bool:
+    """Whether a save now is one inside training: in a training hook, or in a validation
+    that runs inside a training epoch (where Lightning's ``ModelCheckpoint(monitor=...)``
+    saves, in ``on_validation_end``; ``trainer.training`` is ``False`` there, and such a
+    checkpoint used to hold no data position: its resume replayed the epoch's batches)."""
+    return bool(trainer.training) or training_epoch_open(trainer)
 
 
 def is_our_strategy(strategy: Any) -> bool:

@@ -29,23 +29,35 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_elastic.core.elastic.planned_exit import WORKER_GENERATION_ENV
 from lightning_elastic.core.format.catalog import split_location
 from lightning_elastic.core.format.integrity import VERIFY_MODES
 from lightning_elastic.core.options import (
     check_bool,
     check_choice,
     check_count,
+    check_duration,
     check_seconds,
     one_timeout,
 )
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning import zero
-from lightning_elastic.lightning._compat import optimizer_to_device, trainer_of, unwrap_optimizer
+from lightning_elastic.lightning._compat import (
+    optimizer_to_device,
+    process_group_backend,
+    process_group_timeout,
+    set_strategy_devices,
+    set_strategy_nodes,
+    strategy_devices,
+    strategy_nodes,
+    trainer_of,
+    unwrap_optimizer,
+)
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
 from lightning_elastic.lightning.session import ElasticSession
 
@@ -64,8 +76,6 @@ class ElasticCheckpointing:
     # set by the Lightning base strategy
     lightning_module: Any
     is_global_zero: bool
-    _parallel_devices: list[torch.device] | None
-    _num_nodes: int
 
     def _configure_checkpoints(
         self,
@@ -78,7 +88,7 @@ class ElasticCheckpointing:
     ) -> None:
         """Check and keep the checkpoint options every strategy of ours takes."""
         if global_batch_size is not None:
-            check_count(global_batch_size, "global_batch_size")
+            global_batch_size = check_count(global_batch_size, "global_batch_size")
         check_choice(verify, "verify", VERIFY_MODES)
         check_bool(trusted, "trusted")
         if checkpoint_timeout is not None:
@@ -96,7 +106,8 @@ class ElasticCheckpointing:
     @property
     def parallel_devices(self) -> list[torch.device] | None:
         """The devices of this node; under torchrun, one per local rank (``LOCAL_WORLD_SIZE``)."""
-        return self._parallel_devices
+        devices: list[torch.device] | None = strategy_devices(self)
+        return devices
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
@@ -106,40 +117,47 @@ class ElasticCheckpointing:
             devices = [
                 torch.device(kind) if kind == "cpu" else torch.device(kind, i) for i in range(local)
             ]
-        self._parallel_devices = devices
+        set_strategy_devices(self, devices)
 
     @property
     def num_nodes(self) -> int:
         """The number of nodes; under torchrun, ``WORLD_SIZE // LOCAL_WORLD_SIZE``."""
-        return self._num_nodes
+        return strategy_nodes(self)
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         world, local = _torchrun("WORLD_SIZE"), _torchrun("LOCAL_WORLD_SIZE")
         if world and local and world % local == 0:
             num_nodes = world // local
-        self._num_nodes = num_nodes
+        set_strategy_nodes(self, num_nodes)
 
     # ------------------------------------------------------------------ setup and data
 
     def setup_distributed(self) -> None:
-        """Lightning's process group set-up, with the group's store keys under a prefix of this
-        worker group's attempt when torchrun's agent hosts the store: the agent keeps its store
-        across restarts, and a restarted rank read the address a dead rank of the previous
-        attempt had left there (gloo: ``connectFullMesh failed ... Connection refused``, seen
-        when rank 0 of the new attempt started a few seconds after rank 1)."""
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
-            self.set_world_ranks()  # type: ignore[attr-defined]
-            device = self.root_device  # type: ignore[attr-defined]
-            dist.init_process_group(
-                self._get_process_group_backend(),  # type: ignore[attr-defined]
-                rank=self.global_rank,  # type: ignore[attr-defined]
-                world_size=self.world_size,  # type: ignore[attr-defined]
-                timeout=getattr(self, "_timeout", None) or default_pg_timeout,
-                store=attempt_store(),
-                device_id=device if device.type != "cpu" else None,
-            )
+        """Lightning's process group set-up (``DDPStrategy``), on :func:`attempt_store`."""
+        self._init_on_attempt_store()
         super().setup_distributed()  # type: ignore[misc]
+
+    def _init_on_attempt_store(self) -> None:
+        """Initialize the default process group as Lightning would, with the group's store keys
+        under a prefix of this worker group's round when torchrun's agent hosts the store: the
+        agent keeps its store across restarts, and a restarted rank read the address a dead
+        rank of the previous round had left there (gloo: ``connectFullMesh failed ...
+        Connection refused``, seen when rank 0 of the new round started a few seconds after
+        rank 1). Lightning's own set-up then finds the group initialized and keeps it. Every
+        strategy of ours calls this where its Lightning base initializes the group."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+            return
+        self.set_world_ranks()  # type: ignore[attr-defined]
+        device = self.root_device  # type: ignore[attr-defined]
+        dist.init_process_group(
+            process_group_backend(self),
+            rank=self.global_rank,  # type: ignore[attr-defined]
+            world_size=self.world_size,  # type: ignore[attr-defined]
+            timeout=process_group_timeout(self) or default_pg_timeout,
+            store=attempt_store(),
+            device_id=device if device.type != "cpu" else None,
+        )
 
     def setup(self, trainer: Any) -> None:
         """Set the strategy up, with our session knowing the global batch size."""
@@ -210,6 +228,13 @@ class ElasticCheckpointing:
 
     # ------------------------------------------------------------------ hooks
 
+    def on_train_start(self) -> None:
+        """Put back the last logged values of a resumed fit (``trainer.callback_metrics``)."""
+        super().on_train_start()  # type: ignore[misc]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._session(trainer).on_train_start()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Note the loaders' states; before the first resumed step, restore RNG and metrics."""
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
@@ -249,24 +274,31 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
         precision_plugin: the precision plugin (default: from the Trainer).
         process_group_backend: backend of the training process group (default: nccl on
             GPUs, gloo on CPUs). Checkpoint traffic always uses its own gloo group.
-        timeout: timeout of the training process group.
+        timeout: timeout of the training process group (a ``timedelta`` or seconds, at most a
+            year).
         start_method: how Lightning starts the processes (``"popen"``, ``"spawn"``, ...).
         find_unused_parameters: forwarded to ``DistributedDataParallel``.
         static_graph: forwarded to ``DistributedDataParallel``.
         gradient_as_bucket_view: forwarded to ``DistributedDataParallel``.
         checkpoint_timeout: how long ranks wait for each other in a checkpoint save or load (a
-            ``timedelta`` or seconds; default 10 minutes). The one checkpoint timeout: a
-            ``DistributedCheckpoint``'s ``timeout`` must be left unset or equal.
-        verify: verification before loading a checkpoint: ``"full"``, ``"size"`` or ``"none"``.
+            ``timedelta`` or seconds; default 10 minutes): the timeout of the one gloo group
+            every checkpoint of this trainer uses, ``DistributedCheckpoint``'s included.
+        verify: verification before loading any checkpoint (a resume, ``ckpt_path``):
+            ``"full"`` (sizes and checksums), ``"size"`` or ``"none"``.
         shard_optimizer_state: ZeRO-1: each rank keeps (and saves) the optimizer state of its
             share of the parameters only; checkpoints reshard to any world size.
         global_batch_size: keep this many samples per optimizer step whatever the world size:
             each rank's dataloader batch becomes ``global_batch_size / world_size``.
-        storage_options: fsspec options (credentials, ``endpoint_url``, ...) for checkpoint
-            paths given to ``fit(ckpt_path=...)``/``save_checkpoint`` (a
-            ``DistributedCheckpoint``'s own ``storage_options`` take precedence).
+        storage_options: fsspec options (credentials, ``endpoint_url``, ...) for every
+            checkpoint location this trainer opens: a ``DistributedCheckpoint``'s ``dirpath``,
+            ``fit(ckpt_path=...)``, ``save_checkpoint`` (whose own ``storage_options``
+            argument wins for its path).
         trusted: load checkpoint objects without the safe-loading allowlist (unpickling may run
             code from the checkpoint): only for checkpoints whose origin you trust.
+
+    These four are the strategy's because every checkpoint of the trainer uses them, whoever
+    reads or writes it (``DistributedCheckpoint``'s old spellings of them are deprecated; see
+    docs/options.md).
     """
 
     strategy_name = "elastic"
@@ -279,7 +311,7 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: str = "popen",
         *,
         find_unused_parameters: bool = False,
@@ -300,6 +332,7 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
             ("shard_optimizer_state", shard_optimizer_state),
         ):
             check_bool(flag, name)
+        timeout = None if timeout is None else check_duration(timeout, "timeout")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -356,13 +389,24 @@ class ElasticStrategy(ElasticCheckpointing, DDPStrategy):
 
 
 def attempt_store() -> Any:
-    """A client of torchrun's agent store whose keys live under this attempt's prefix
-    (``TORCHELASTIC_RESTART_COUNT``, and the launcher's worker generation when
-    ``lightning-elastic run`` started the workers)."""
+    """A client of torchrun's agent store whose keys live under a prefix of this worker group:
+    its rendezvous round when ``lightning-elastic run`` started the workers (the same on every
+    node, new at every restart), else torchrun's ``TORCHELASTIC_RESTART_COUNT``.
+
+    Not the restart count when the round is known: it is each agent's own count, so the nodes
+    of one round may disagree (a node that restarted after its worker failed counts one more
+    than the node whose agent restarted because that node was waiting to join), and a group
+    whose ranks look under different prefixes never forms (its ranks wait for each other until
+    the process group's timeout). Plain torchrun gives the workers nothing better; there, set
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for a job whose nodes may leave and join (rank 0's
+    worker then hosts a store of the group's own, and this one is not used)."""
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    generation = os.environ.get("LIGHTNING_ELASTIC_WORKER_GENERATION", "0")
+    generation = os.environ.get(WORKER_GENERATION_ENV)
+    if generation is not None:
+        prefix = f"round_{generation}"
+    else:
+        prefix = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     client = TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -370,7 +414,7 @@ def attempt_store() -> Any:
         is_master=False,
         timeout=default_pg_timeout,
     )
-    return PrefixStore(f"lightning_elastic/attempt_{attempt}.{generation}/", client)
+    return PrefixStore(f"lightning_elastic/{prefix}", client)  # joined with "/"
 
 
 def _torchrun(name: str) -> int | None:
@@ -379,10 +423,3 @@ def _torchrun(name: str) -> int | None:
         return None
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() else None
-
-
-StrategyRegistry.register(
-    "elastic",
-    ElasticStrategy,
-    description="DDP with sharded, asynchronous, elastic checkpoints (lightning_elastic)",
-)

@@ -1,10 +1,11 @@
 """``ElasticShardedIterable``: an iterable dataset over shards (files or objects, read through
 fsspec) whose position is resumable mid-epoch at any world size.
 
-The plan (:mod:`lightning_elastic.core.elastic.shards`): an epoch reads the shards in a seeded
-order; the part of the epoch left at a (re)start is dealt over the data-parallel ranks in
-contiguous, near-equal runs, and a rank's batches over its DataLoader workers in contiguous
-runs, so every worker reads whole ranges of shards sequentially. The position is the loop's
+The plan (:class:`~lightning_elastic.core.elastic.shards.ShardReading`, no Lightning): an
+epoch reads the shards in a seeded order; the part of the epoch left at a (re)start is dealt
+over the data-parallel ranks in contiguous, near-equal runs, and a rank's batches over its
+DataLoader workers in contiguous runs, so every worker reads whole ranges of shards
+sequentially. The position is the loop's
 batch counter (DataLoader yields its workers' batches round-robin, in order), so it is the same
 on every rank and travels with the checkpoint like the map-style sampler's; a resume at another
 world size deals the samples no rank has trained yet over the new ranks. Every sample is
@@ -27,7 +28,7 @@ from typing import IO, Any, Protocol
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 from lightning_elastic.core.elastic.data_position import DataPosition
-from lightning_elastic.core.elastic.shards import Piece, Segment, epoch_pieces, remaining
+from lightning_elastic.core.elastic.shards import Segment, ShardReading
 from lightning_elastic.core.options import check_count, check_seed
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.lightning.data import FollowsTheLoop
@@ -125,25 +126,24 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
 
     # ------------------------------------------------------------------ the plan
 
-    def _segment(self, epoch: int | None = None) -> Segment:
-        """What this world reads of ``epoch`` (default: the current one, from its start)."""
-        resumed = epoch is None or epoch == self.epoch
-        shards = self._start.shards if resumed else None
-        if shards is not None and shards.get("pieces") is not None:
-            pieces: tuple[Piece, ...] = tuple(tuple(p) for p in shards["pieces"])
-        else:
-            pieces = tuple(self._epoch_pieces(self.epoch if epoch is None else epoch))
-        return Segment(
-            pieces,
+    def _reading(self) -> ShardReading:
+        """How this world reads the shards now (see :class:`ShardReading`)."""
+        return ShardReading(
+            tuple(self.counts),
+            self.seed or 0,
+            self.shuffle,
+            self.drop_last,
             self.num_replicas,
             self.workers,
             self.batch_size,
             self.drop_last_batch,
-            self.drop_last,
         )
 
-    def _epoch_pieces(self, epoch: int) -> list[Piece]:
-        return epoch_pieces(self.counts, seed=self.seed or 0, epoch=epoch, shuffle=self.shuffle)
+    def _segment(self, epoch: int | None = None) -> Segment:
+        """What this world reads of ``epoch`` (default: the current one, from its start)."""
+        resumed = epoch is None or epoch == self.epoch
+        chosen = self.epoch if epoch is None else epoch
+        return self._reading().segment(chosen, self._start if resumed else None)
 
     def __len__(self) -> int:
         """Samples of this rank's epoch as the loop counts them (whole batches): those before
@@ -154,50 +154,14 @@ class ElasticShardedIterable(FollowsTheLoop, IterableDataset[Any]):
         return self._segment(self.epoch + 1).batches()  # a fresh epoch's (any epoch's) count
 
     def position(self, batches_done: int) -> DataPosition:
-        start = self._start
-        done = max(0, batches_done - start.batches)
-        pieces = None if start.shards is None else start.shards.get("pieces")
-        return DataPosition(
-            epoch=self.epoch,
-            consumed=done * self.batch_size,
-            world_size=self.num_replicas,
-            batches=batches_done,
-            padded=False,
-            shards={
-                "pieces": pieces,
-                "workers": self.workers,
-                "batch_size": self.batch_size,
-                "drop_last_batch": self.drop_last_batch,
-                "start_batches": start.batches,
-            },
-        )
+        return self._reading().position(self._start, self.epoch, batches_done)
 
     def _settle(self, position: DataPosition) -> DataPosition:
         """A mid-epoch position: the samples no rank had trained, as a new segment for this
         world (the loop keeps counting from the checkpoint's counter)."""
-        shards = position.shards
-        if shards is None:
+        if position.shards is None:
             return super()._settle(position)
-        pieces = shards.get("pieces")
-        saved = Segment(
-            tuple(tuple(p) for p in pieces)
-            if pieces is not None
-            else tuple(self._epoch_pieces(position.epoch)),
-            position.world_size,
-            int(shards["workers"]),
-            int(shards["batch_size"]),
-            bool(shards["drop_last_batch"]),
-            self.drop_last,
-        )
-        left = remaining(saved, position.batches - int(shards["start_batches"]))
-        return DataPosition(
-            epoch=position.epoch,
-            consumed=max(1, position.consumed),
-            world_size=self.num_replicas,
-            batches=position.batches,
-            padded=False,
-            shards={"pieces": [list(p) for p in left]},
-        )
+        return self._reading().resume(position)
 
     # ------------------------------------------------------------------ reading
 

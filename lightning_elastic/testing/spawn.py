@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from lightning_elastic.core._compat import tcp_store_class
+
 __all__ = ["RankError", "WorkerFailure", "WorkerTimeout", "run_distributed"]
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "lightning_elastic"]
@@ -92,8 +94,8 @@ def _worker(
         }
     )
     import torch.distributed as dist
-    from torch._C._distributed_c10d import TCPStore
 
+    TCPStore = tcp_store_class()
     payload: tuple[str, Any]
     try:
         store = TCPStore(
@@ -140,8 +142,7 @@ def run_distributed(
     is ``None``. Any other rank raising or vanishing raises :class:`WorkerFailure` with
     every rank's traceback; not finishing within ``timeout`` raises :class:`WorkerTimeout`.
     """
-    from torch._C._distributed_c10d import TCPStore
-
+    TCPStore = tcp_store_class()
     ctx = _mp_context()
     server = TCPStore(
         "127.0.0.1",

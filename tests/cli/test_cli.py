@@ -207,3 +207,23 @@ def test_console_script_entry_point(root) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)) == 3
+
+
+def test_the_console_script_and_python_m_run_the_same_main(tmp_path) -> None:
+    """``lightning-elastic`` (pyproject's entry point) and ``python -m lightning_elastic.cli``
+    are one command line, whatever module layout is behind them."""
+    import importlib
+
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    target = tomllib.loads(pyproject.read_text())["project"]["scripts"]["lightning-elastic"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is main
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_elastic.cli", "ls", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "empty: no checkpoints" in done.stdout, done.stderr

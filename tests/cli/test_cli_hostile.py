@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from lightning_elastic import cli
+from lightning_elastic import Storage, cli
 from lightning_elastic.cli import main
+from lightning_elastic.cli.checks import NoBar, progress_bar
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest, Timings
 from lightning_elastic.errors import StoragePermissionError
 from tests.cli.test_cli import checkpoint_dirs, flip_byte, populate, run
@@ -158,10 +159,10 @@ def test_prune_summary_counts_what_it_did(root, capsys) -> None:
 
 
 def test_prune_reports_a_failed_deletion(root, capsys, monkeypatch) -> None:
-    def refuse(*_: object) -> None:
+    def refuse(*_: object, **__: object) -> None:
         raise StoragePermissionError("delete", "x", "permission denied")
 
-    monkeypatch.setattr(cli, "delete_checkpoint", refuse)
+    monkeypatch.setattr(cli.prune, "delete_checkpoint", refuse)
     code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1")
     assert code == 1 and "could not delete" in out and "2 failed to delete" in out
     assert "0 checkpoint(s) deleted" in out
@@ -227,12 +228,15 @@ def test_bad_arguments_give_one_line_and_exit_2(root, capsys, argv) -> None:
     ("flag", "value"),
     [
         ("--keep-last", "1" + "0" * 400),
+        ("--keep-last", "1e3"),  # not a whole number: said with the range, as 0 is
+        ("--keep-every-n-steps", "2.0"),
         ("--keep-every-n-steps", str(2**62 + 1)),
         ("--leftover-grace", "nan"),
         ("--leftover-grace", "inf"),
         ("--leftover-grace", "1e400"),
         ("--leftover-grace", "-1"),
         ("--leftover-grace", str(10**400)),
+        ("--leftover-grace", "soon"),
     ],
 )
 def test_numeric_flags_refuse_values_they_cannot_represent(root, capsys, flag, value) -> None:
@@ -247,14 +251,14 @@ def test_numeric_flags_refuse_values_they_cannot_represent(root, capsys, flag, v
 
 
 def test_an_unreadable_manifest_is_a_row_not_a_crash(root, capsys, monkeypatch) -> None:
-    real = type(cli.Storage(str(root))).read_bytes
+    real = type(Storage(str(root))).read_bytes
 
     def read_bytes(self: Any, rel: str, *args: Any, **kwargs: Any) -> bytes:
         if rel.startswith("step_000000002/"):
             raise StoragePermissionError("read", rel, "permission denied")
         return real(self, rel, *args, **kwargs)
 
-    monkeypatch.setattr(type(cli.Storage(str(root))), "read_bytes", read_bytes)
+    monkeypatch.setattr(type(Storage(str(root))), "read_bytes", read_bytes)
     code, out, _ = run(capsys, "ls", str(root), "--json")
     rows = {r["step"]: r for r in assert_json_only(out)}
     assert code == 0 and rows[2]["status"] == "corrupt" and "permission" in rows[2]["problem"]
@@ -266,7 +270,7 @@ def test_an_unexpected_error_is_one_line_unless_debugging(root, capsys, monkeypa
     def boom(*_: object) -> None:
         raise RuntimeError("something odd")
 
-    monkeypatch.setattr(cli, "_scan", boom)
+    monkeypatch.setattr(cli.ls, "scan_root", boom)
     code, _, err = run(capsys, "ls", str(root))
     assert code == 3 and "RuntimeError: something odd" in err and err.count("\n") == 1
     monkeypatch.setenv("LIGHTNING_ELASTIC_DEBUG", "1")
@@ -458,9 +462,9 @@ def test_progress_defaults_to_a_bar_only_on_a_terminal(monkeypatch) -> None:
 
     args = argparse.Namespace(progress=None)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert isinstance(cli._bar(args, 10, "x"), cli._NoBar)
+    assert isinstance(progress_bar(args, 10, "x"), NoBar)
     monkeypatch.setattr(sys, "stderr", Terminal())
-    bar = cli._bar(args, 10, "x")
-    assert not isinstance(bar, cli._NoBar)
+    bar = progress_bar(args, 10, "x")
+    assert not isinstance(bar, NoBar)
     bar.close()
-    assert isinstance(cli._bar(argparse.Namespace(progress=False), 10, "x"), cli._NoBar)
+    assert isinstance(progress_bar(argparse.Namespace(progress=False), 10, "x"), NoBar)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_elastic.cli import _size
+from lightning_elastic.cli.format import size as _size
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, SHARD_SUFFIX, Manifest
 from tests.cli.test_cli import run

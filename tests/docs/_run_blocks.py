@@ -7,7 +7,8 @@
 ``__main__``) and its own empty temporary working directory; one process per kind keeps torch's
 and Lightning's import cost to once. ``RESULTS.json`` maps each id to ``null`` (it ran) or the
 traceback. A LightningCLI config is instantiated the way ``examples/lightning_cli.py`` does
-(``parser_mode="omegaconf"``, with its model and datamodule), without training.
+(``parser_mode="omegaconf"``, with its model and datamodule), without training. An option
+spelled the old way (an ``ElasticDeprecationWarning``) fails its block.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,10 @@ RUNNERS = {"python": run_python, "lightning-cli": run_lightning_cli}
 
 
 def main() -> None:
+    from lightning_elastic.errors import ElasticDeprecationWarning
+
+    # the docs show today's spelling of every option: an old one fails its block
+    warnings.filterwarnings("error", category=ElasticDeprecationWarning)
     kind, jobs_file, results_file = sys.argv[1:]
     runner = RUNNERS[kind]
     results: dict[str, Any] = {}

@@ -16,6 +16,11 @@ with the reason::
 
     <!-- doctest: skip (trains on 2 processes for minutes) -->
 
+A block whose point is what a new interpreter does (an import that must be enough on its own)
+runs alone in a fresh one instead of beside the other blocks::
+
+    <!-- doctest: fresh (the import alone registers the strategy names) -->
+
 Python blocks are compiled even when skipped. Nothing is shrunk or substituted: a block that
 runs, runs exactly as the reader would copy it.
 """
@@ -44,6 +49,7 @@ RUNNER = Path(__file__).with_name("_run_blocks.py")
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>```+|~~~+)\s*(?P<info>[^`]*)$")
 MARKER = re.compile(r"^\s*<!--\s*doctest:(?P<body>.*?)-->\s*$")
 SKIP = re.compile(r"^\s*skip\s*\((?P<reason>.+)\)\s*$")
+FRESH = re.compile(r"^\s*fresh\s*\((?P<reason>.+)\)\s*$")
 LANGUAGES = {
     "python": "python",
     "py": "python",
@@ -70,6 +76,7 @@ class Block:
     info: str  # the fence's info string as written
     code: str
     skip: str | None  # the marker's reason
+    fresh: str | None = None  # runs alone in a new interpreter, for this reason
 
     @property
     def id(self) -> str:
@@ -101,6 +108,7 @@ def extract(text: str, doc: str) -> list[Block]:
             i += 1
         i += 1  # the closing fence
         info_word = info.split()[0].lower() if info else ""
+        skip, fresh = _marker(lines, start)
         blocks.append(
             Block(
                 doc=doc,
@@ -108,28 +116,32 @@ def extract(text: str, doc: str) -> list[Block]:
                 language=LANGUAGES.get(info_word, info_word),
                 info=info_word,
                 code="\n".join(body) + "\n",
-                skip=_marker(lines, start),
+                skip=skip,
+                fresh=fresh,
             )
         )
     return blocks
 
 
-def _marker(lines: list[str], fence_index: int) -> str | None:
+def _marker(lines: list[str], fence_index: int) -> tuple[str | None, str | None]:
+    """The reasons of a ``skip`` and of a ``fresh`` marker before the fence (either or none)."""
     j = fence_index - 1
     while j >= 0 and not lines[j].strip():
         j -= 1
     if j < 0:
-        return None
+        return None, None
     match = MARKER.match(lines[j])
     if match is None:
-        return None
-    skip = SKIP.match(match["body"])
-    if skip is None or not skip["reason"].strip():
+        return None, None
+    skip, fresh = SKIP.match(match["body"]), FRESH.match(match["body"])
+    found = skip or fresh
+    if found is None or not found["reason"].strip():
         raise DocError(
             f"line {j + 1}: unknown doctest marker {lines[j].strip()!r}; "
-            "write <!-- doctest: skip (the reason) -->"
+            "write <!-- doctest: skip (the reason) --> or <!-- doctest: fresh (the reason) -->"
         )
-    return skip["reason"].strip()
+    reason = found["reason"].strip()
+    return (reason, None) if skip else (None, reason)
 
 
 def documents() -> list[Path]:
@@ -191,19 +203,21 @@ _results: dict[str, str | None] = {}
 
 
 def _execute_all() -> dict[str, str | None]:
-    """Run every runnable block once, one subprocess per kind, both at the same time."""
+    """Run every runnable block once, one subprocess per kind (and one for each ``fresh``
+    block), all at the same time."""
     if _results:
         return _results
-    jobs: dict[str, list[dict[str, str]]] = {}
+    jobs: dict[tuple[str, str], list[dict[str, str]]] = {}  # (kind, group) -> blocks
     for block in BLOCKS:
         if isinstance(block, Block) and (kind := to_execute(block)) is not None:
-            jobs.setdefault(kind, []).append({"id": block.id, "code": block.code})
+            group = block.id if block.fresh else ""
+            jobs.setdefault((kind, group), []).append({"id": block.id, "code": block.code})
     example = (ROOT / EXAMPLE_CONFIG).read_text()
-    jobs.setdefault("lightning-cli", []).append({"id": EXAMPLE_CONFIG, "code": example})
+    jobs.setdefault(("lightning-cli", ""), []).append({"id": EXAMPLE_CONFIG, "code": example})
     with tempfile.TemporaryDirectory(prefix="doc-blocks-") as tmp:
         procs: list[tuple[list[dict[str, str]], Path, subprocess.Popen[str]]] = []
-        for kind, kind_jobs in jobs.items():
-            jobs_file, results_file = Path(tmp, f"{kind}.jobs"), Path(tmp, f"{kind}.json")
+        for n, ((kind, _group), kind_jobs) in enumerate(jobs.items()):
+            jobs_file, results_file = Path(tmp, f"{kind}-{n}.jobs"), Path(tmp, f"{kind}-{n}.json")
             jobs_file.write_text(json.dumps(kind_jobs))
             cmd = [sys.executable, str(RUNNER), kind, str(jobs_file), str(results_file)]
             proc = subprocess.Popen(
@@ -300,6 +314,8 @@ def test_the_extractor_reads_markers_languages_and_nested_fences() -> None:
         (8, "markdown", None),
         (14, "", None),
     ]
+    fresh = extract("<!-- doctest: fresh (an import order) -->\n```python\npass\n```\n", "x.md")
+    assert [(b.skip, b.fresh) for b in fresh] == [(None, "an import order")]
     assert blocks[1].code == "```python\nnot a block of its own\n```\n"
     with pytest.raises(DocError, match="unknown doctest marker"):
         extract("<!-- doctest: skipp -->\n```python\npass\n```\n", "x.md")

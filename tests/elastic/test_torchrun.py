@@ -76,11 +76,13 @@ def agent(
     *,
     launcher: tuple[str, ...] = ("-m", "torch.distributed.run"),
     max_restarts: int = 3,
+    nnodes: str = "1:2",
+    stop_file: Path | None = None,
 ) -> subprocess.Popen:
     cmd = [
         sys.executable,
         *launcher,
-        "--nnodes=1:2",
+        f"--nnodes={nnodes}",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -98,15 +100,15 @@ def agent(
         "3",
         "--step-sleep",
         "0.15",
+        *(["--stop-file", str(stop_file)] if stop_file else []),
     ]
     # torch 2.13's shared rendezvous store breaks re-rendezvous after a membership change
-    # (pytorch/pytorch#135712): a joining node waits forever for MASTER_ADDR. Documented.
-    env = {
-        **os.environ,
-        "PYTHONWARNINGS": "ignore",
-        "OMP_NUM_THREADS": "1",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    # (pytorch/pytorch#135712): a joining node waits forever for MASTER_ADDR. Documented for
+    # torchrun; `lightning-elastic run` turns the sharing off itself (the variable unset here)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    if launcher[:2] == ("-m", "torch.distributed.run"):
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with log.open("w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -235,6 +237,96 @@ def test_planned_drain_keeps_the_failure_budget(tmp_path) -> None:
     assert log.count("restarting without counting a failure") == 1, log[-3000:]
 
 
+def deliver(how: str, node: subprocess.Popen) -> None:
+    """SIGTERM for ``node`` (its agent leads a process group and session of its own, as a
+    shell's job or a service's main process does): to its agent (``agent``: what a node drain
+    does), to its agent's process group (``group``: a shell's Ctrl-C, ``kill -TERM -PGID``,
+    systemd's control-group stop) or to every process of it (``node``: SLURM's scancel, a
+    container runtime's stop)."""
+    if how == "agent":
+        node.send_signal(signal.SIGTERM)
+    elif how == "group":
+        os.killpg(node.pid, signal.SIGTERM)
+    else:
+        parent = psutil.Process(node.pid)
+        for proc in [parent, *parent.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGTERM)
+
+
+def test_a_drain_re_executes_nothing_however_the_signal_is_delivered(tmp_path) -> None:
+    """Five nodes (``lightning-elastic run --max-restarts=0``): A hosts; B and D fork their
+    workers warm, C and E start them cold. B, C, D and E are drained at once: B and C by
+    SIGTERM to their agents' process groups, D and E by SIGTERM to every process of theirs
+    (the later signals arrive during the checkpoint the first one agreed). A goes on alone from
+    the agreed checkpoint: 0 steps re-executed, no restart spent (one would have ended A's
+    job). Every worker, warm or cold, is a session of its own (a warm start's workers were in
+    the agent's: the group signal reached them directly, and killed the server they were forked
+    from). A drain to the agent alone: the tests around this one, cold and warm."""
+    port = free_port()
+
+    def start(name: str, warm: bool) -> subprocess.Popen:
+        return agent(
+            tmp_path,
+            port,
+            100_000,  # the test ends the job
+            tmp_path / f"agent-{name}.log",
+            launcher=(*LAUNCHER, *(["--warm-start"] if warm else [])),
+            max_restarts=0,
+            nnodes="1:5",
+        )
+
+    def starts() -> list[dict]:
+        return sorted((r for r in records(tmp_path) if r["kind"] == "start"), key=lambda r: r["t"])
+
+    def trains(world: int, after: float = 0.0, steps: int = 3) -> None:
+        def ok() -> bool:
+            assert host.poll() is None, (tmp_path / "agent-a.log").read_text()[-3000:]
+            group = [r for r in starts() if r["world"] == world and r["t"] > after]
+            return bool(group) and any(
+                r["kind"] == "step"
+                and r["inc"] == group[0]["inc"]
+                and r["step"] >= group[0]["step"] + steps
+                for r in records(tmp_path)
+            )
+
+        wait_for(ok, 240, f"training at world size {world}")
+
+    host = start("a", warm=True)
+    time.sleep(1.0)  # agent A hosts the rendezvous store
+    warm = {"b": start("b", warm=True), "d": start("d", warm=True)}
+    agents = [host, *warm.values()]
+    try:
+        # the cold nodes join once the warm ones train (else they would train alone first)
+        trains(3)
+        cold = {"c": start("c", warm=False), "e": start("e", warm=False)}
+        agents += cold.values()
+        trains(5)
+        drained = time.time()
+        for name, node in {**warm, **cold}.items():
+            deliver("group" if name in "bc" else "node", node)
+        for node in [*warm.values(), *cold.values()]:
+            node.wait(timeout=120)
+        trains(1, drained)
+        assert host.poll() is None, (tmp_path / "agent-a.log").read_text()[-3000:]
+    finally:
+        stop(agents)
+    assert all(r["session"] for r in starts()), "a worker in its agent's session"
+    assert {r["warm"] for r in starts() if r["world"] == 5} == {True, False}
+    groups: dict[float, dict] = {}
+    for r in starts():
+        groups.setdefault(r["inc"], r)
+    before = max((g for g in groups.values() if g["t"] < drained), key=lambda g: g["t"])
+    after = min((g for g in groups.values() if g["t"] > drained), key=lambda g: g["t"])
+    assert (before["world"], after["world"]) == (5, 1)
+    steps = [r for r in records(tmp_path) if r["kind"] == "step"]
+    last = max(r["step"] for r in steps if r["inc"] == before["inc"])
+    assert after["step"] == last + 1, f"the drain re-executed {last + 1 - after['step']} steps"
+    assert after["resumed_from"].endswith(f"step_{after['step']:09d}")
+    log = (tmp_path / "agent-a.log").read_text()
+    assert log.count("restarting without counting a failure") == 1, log[-3000:]
+
+
 def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
     """``lightning-elastic run --warm-start --max-restarts=2``, seven membership changes: drain,
     join, loss, join, drain, join, loss (a drain is SIGTERM to a node's agent; a loss
@@ -246,17 +338,19 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
     the group before (a chain without a gap); only committed checkpoints listed, retention's
     keep_last_n respected. Every worker was forked from the warm-start server (torch and
     Lightning already imported), also the first ones of each node and those of the nodes
-    that joined."""
-    port, max_steps, every = free_port(), 190, 3
+    that joined. The test ends the job (a stop file) after the last change: how many steps
+    node A trains alone while a joining node imports is the machine's."""
+    port, every, stop_file = free_port(), 3, tmp_path / "stop"
 
     def start(name: str) -> subprocess.Popen:
         return agent(
             tmp_path,
             port,
-            max_steps,
+            100_000,
             tmp_path / f"agent-{name}.log",
             launcher=(*LAUNCHER, "--warm-start"),
             max_restarts=2,
+            stop_file=stop_file,
         )
 
     def starts() -> list[dict]:
@@ -295,18 +389,25 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
                 node = start(f"b{i + 1}")
                 agents.append(node)
                 progress(2, mark)
+        stop_file.touch()
         assert host.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
     finally:
         stop(agents)
     recs = records(tmp_path)
-    assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
+    last_step = max(r["step"] for r in recs if r["kind"] == "end")
     groups: dict[float, dict] = {}
     for r in starts():
         groups.setdefault(r["inc"], r)
     order = sorted(groups)
+    if groups[order[0]]["world"] == 1:  # A's imports were done first: it started alone
+        order = order[1:]
     assert [groups[g]["world"] for g in order] == [2, 1, 2, 1, 2, 1, 2, 1], order
-    assert_each_epoch_once(tmp_path, max_steps)
+    assert last_step > groups[order[-1]]["step"] + 4
+    assert_each_epoch_once(tmp_path, last_step)
     assert all(r["warm"] for r in starts()), "a worker started cold under --warm-start"
+    # the launcher turned torch's shared store off (the variable unset): with it, the first
+    # join ended the job (pytorch/pytorch#135712)
+    assert {r["agent_store"] for r in starts()} == {"False"}
     # steps per group, and what each restart cost
     trained = collections.defaultdict(set)
     for r in recs:

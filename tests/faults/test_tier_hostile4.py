@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic import DistributedCheckpoint
+from lightning_elastic import DistributedCheckpoint, TierOptions
 from lightning_elastic.errors import ConfigError
 from lightning_elastic.testing.spawn import run_distributed
 from tests.faults import tier_hostile4_workers as w
@@ -203,10 +203,12 @@ def test_a_local_root_nested_with_the_persistent_root_is_refused(tmp_path, insid
     ckpts, nested = tmp_path / "ckpts", tmp_path / "ckpts" / "local"
     if inside == "dirpath_in_local":  # the persistent root (<root>/ckpts) inside the local
         with pytest.raises(ConfigError, match="one holds the other"):
-            workers.fit(str(tmp_path), 4, strategy="auto", devices=1, local_dirpath=str(tmp_path))
+            workers.fit(
+                str(tmp_path), 4, strategy="auto", devices=1, tiers=TierOptions(str(tmp_path))
+            )
         return
     with pytest.raises(ConfigError, match="one holds the other"):
-        workers.fit(str(tmp_path), 4, strategy="auto", devices=1, local_dirpath=str(nested))
+        workers.fit(str(tmp_path), 4, strategy="auto", devices=1, tiers=TierOptions(str(nested)))
     assert not list(ckpts.glob("step_*"))
 
 
@@ -243,7 +245,7 @@ def test_a_node_id_accepted_by_the_options_trains(tmp_path, node) -> None:
     """Validation refuses '/', control characters and ids over 255 characters; every other
     id must then work (the shared-root probe once embedded the raw id in a file name: a
     backslash or a 240-character id failed at setup with a StorageError)."""
-    DistributedCheckpoint(tmp_path / "ckpts", local_dirpath=tmp_path / "local", node=node)
+    DistributedCheckpoint(tmp_path / "ckpts", tiers=TierOptions(tmp_path / "local", node=node))
     local_of = {node: str(tmp_path / "local")}
     (got,) = run_distributed(w.fit_config, 1, str(tmp_path), 3, local_of, names=[node])
     assert got == {"global_step": 3}, got
@@ -255,7 +257,7 @@ def test_an_illegal_node_id_is_a_config_error(tmp_path, node) -> None:
     """Refused with ConfigError, at construction (docs: "validated at construction") or at
     the latest at setup, never another error."""
     try:
-        DistributedCheckpoint(tmp_path / "ckpts", local_dirpath=tmp_path / "local", node=node)
+        DistributedCheckpoint(tmp_path / "ckpts", tiers=TierOptions(tmp_path / "local", node=node))
     except ConfigError:
         return
     local_of = {node: str(tmp_path / "local")}

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from lightning_elastic import DistributedCheckpoint, ElasticStrategy, TierOptions
 from tests.lightning.models import IdDataset, TinyModule, make_trainer
 
 
@@ -55,12 +55,18 @@ def weights_sum(module: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in module.net.parameters()))
 
 
-def _tiers(root: str, names: str, cb: dict[str, Any]) -> dict[str, Any]:
+TIER_OPTIONS = ("persist_every_n_saves", "replicas", "local_keep")
+
+
+def _tiers(root: str, names: str, cb: dict[str, Any], local: str | None = None) -> dict[str, Any]:
+    """The callback's keywords: ``cb`` with its tier options in ``tiers=TierOptions``, this
+    rank's node ``names[rank]`` and local root (``local``, else ``root/local/<node>``)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     node = names[rank]
-    out = {"local_dirpath": f"{root}/local/{node}", "node": node}
-    out.update(cb)
-    return out
+    rest = dict(cb)
+    tier = {k: rest.pop(k) for k in TIER_OPTIONS if k in rest}
+    local_dirpath = local or f"{root}/local/{node}"
+    return {"tiers": TierOptions(local_dirpath, node=node, **tier), **rest}
 
 
 def fit(
@@ -184,7 +190,7 @@ def fit_config(root: str, max_steps: int, local_of: dict[str, str], **cb: Any) -
     out: dict[str, Any] = {}
     try:
         checkpoint = DistributedCheckpoint(
-            f"{root}/ckpts", every_n_train_steps=3, local_dirpath=local_of[node], node=node, **cb
+            f"{root}/ckpts", every_n_train_steps=3, **_tiers(root, names, cb, local_of[node])
         )
         trainer = make_trainer(
             root,

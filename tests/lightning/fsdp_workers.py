@@ -16,7 +16,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from lightning_elastic import DistributedCheckpoint, ElasticFSDPStrategy, ElasticStrategy
+from lightning_elastic import (
+    DistributedCheckpoint,
+    ElasticFSDPStrategy,
+    ElasticStrategy,
+    TierOptions,
+)
 from tests.lightning.models import TinyModule, make_trainer
 
 _FULL = StateDictOptions(full_state_dict=True)  # on every rank
@@ -171,7 +176,7 @@ def fsdp_fit(
     tiers: dict[str, Any] = {}
     if nodes:
         node = "ab"[torch.distributed.get_rank()]
-        tiers = {"local_dirpath": f"{root}/local/{node}", "node": node, "persist_every_n_saves": 3}
+        tiers = {"tiers": TierOptions(f"{root}/local/{node}", node=node, persist_every_n_saves=3)}
     checkpoint = DistributedCheckpoint(
         f"{root}/ckpts",
         every_n_train_steps=every,

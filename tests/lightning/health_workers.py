@@ -10,9 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from lightning_elastic import DistributedCheckpoint, ElasticStrategy, HealthMonitor
 from lightning_elastic.core.policy.cadence import Cadence
-from lightning_elastic.lightning import health as health_module
 from tests.lightning.models import TinyModule
 
 
@@ -71,7 +70,7 @@ def fit_observed(
     progress_every_s: float | None = 0.0,
     **cb: Any,
 ) -> dict[str, Any]:
-    health_module.HealthMonitor.progress_every_s = progress_every_s
+    HealthMonitor.progress_every_s = progress_every_s
     if auto_initial_s is not None:
         Cadence.AUTO_INITIAL_S = auto_initial_s
     pl.seed_everything(7, verbose=False)

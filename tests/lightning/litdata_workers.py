@@ -87,11 +87,13 @@ class LitDataModule(TinyModule):
         drop_last: bool | None,
         dataset: Any = None,
         crash_at: int = -1,
+        combined_with: str | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
         self.data, self.workers, self.drop_last = data, workers, drop_last
         self.dataset = dataset
+        self.combined_with = combined_with
         self.crash_at = crash_at
         self.batches_this_epoch = 0
 
@@ -112,6 +114,11 @@ class LitDataModule(TinyModule):
         from litdata import StreamingDataLoader
 
         dataset = self.dataset or streaming_dataset(self.data, drop_last=self.drop_last)
+        if self.combined_with:
+            from litdata import CombinedStreamingDataset
+
+            other = streaming_dataset(self.combined_with, drop_last=self.drop_last)
+            dataset = CombinedStreamingDataset([dataset, other], seed=42, iterate_over_all=True)
         context = None
         if self.workers:
             # forkserver, with torch and LitData loaded once per rank: a worker started by
@@ -152,10 +159,14 @@ def fit(
     workers: int = 0,
     drop_last: bool | None = True,
     before_group: bool = False,
+    combined_with: str | None = None,
+    batch_size: int = 4,
+    **trainer_kw: Any,
 ) -> dict[str, Any]:
-    """Fit ``max_epochs`` (or ``max_steps``) at the process group's world size (resuming from
-    ``root/ckpts`` when it holds a checkpoint), checkpoints every ``every`` steps, crash at
-    ``crash_at``."""
+    """Fit ``max_epochs`` (or ``max_steps``) at the process group's world size, or in this
+    process alone without one (resuming from ``root/ckpts`` when it holds a checkpoint),
+    checkpoints every ``every`` steps, crash at ``crash_at``; ``combined_with``: a second
+    dataset, read through a ``CombinedStreamingDataset``."""
     records = _Records()
     logger = logging.getLogger("lightning_elastic")
     logger.addHandler(records)
@@ -164,14 +175,24 @@ def fit(
         streaming_dataset(data, drop_last=drop_last, before_group=True) if before_group else None
     )
     model = LitDataModule(
-        data, workers, drop_last, dataset=dataset, crash_at=crash_at, n=N, dropout=0.3
+        data,
+        workers,
+        drop_last,
+        dataset=dataset,
+        crash_at=crash_at,
+        combined_with=combined_with,
+        n=N,
+        dropout=0.3,
+        batch_size=batch_size,
     )
+    grouped = torch.distributed.is_initialized()
     trainer = make_trainer(
         root,
         max_steps=max_steps,
         max_epochs=max_epochs,
-        strategy=ElasticStrategy(),
-        devices=torch.distributed.get_world_size(),
+        strategy=ElasticStrategy() if grouped else "auto",
+        devices=torch.distributed.get_world_size() if grouped else 1,
+        **trainer_kw,
         callbacks=[
             EpochJournal(f"{root}/journal"),
             DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every),
@@ -188,6 +209,7 @@ def fit(
         "crashed": crashed,
         "losses": model.losses,
         "seen": model.seen,
+        "epoch_metrics": model.epoch_metrics,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
         "resumed_from": trainer.ckpt_path,

@@ -110,22 +110,32 @@ class LoggingModule(TinyModule):
         return DataLoader(IdDataset(16), batch_size=4)
 
 
+def _plain(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in sorted(metrics.items())}
+
+
 class MetricsReader(pl.Callback):
-    """Reads what the trainer shows callbacks at the end of every training batch."""
+    """Reads what the trainer shows callbacks at the end of every training batch, and what
+    it shows at every batch's and epoch's start (a callback placed before the checkpoint
+    callback, which Lightning runs last)."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, dict[str, float], dict[str, float], dict[str, float]]] = []
+        self.started: list[tuple[str, int, dict[str, float]]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.started.append(("epoch", trainer.global_step, _plain(trainer.callback_metrics)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.started.append(("batch", trainer.global_step, _plain(trainer.callback_metrics)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        def plain(metrics: dict[str, Any]) -> dict[str, float]:
-            return {k: float(v) for k, v in sorted(metrics.items())}
-
         self.seen.append(
             (
                 trainer.global_step,
-                plain(trainer.callback_metrics),
-                plain(trainer.logged_metrics),
-                plain(trainer.progress_bar_metrics),
+                _plain(trainer.callback_metrics),
+                _plain(trainer.logged_metrics),
+                _plain(trainer.progress_bar_metrics),
             )
         )
 
@@ -170,6 +180,7 @@ def fit(
         "records": model.records,
         "epoch_values": model.epoch_values,
         "seen": reader.seen,
+        "started": reader.started,
         "resumed_from": trainer.ckpt_path,
         "global_step": trainer.global_step,
     }
@@ -179,3 +190,73 @@ def fits(runs: list[tuple[str, int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """``fit(root, max_steps, **kwargs)`` for each run, one after the other, in this process
     (one launch of the ranks for several fits)."""
     return [fit(root, max_steps, **kwargs) for root, max_steps, kwargs in runs]
+
+
+class EditedModule(LoggingModule):
+    """LoggingModule whose ``train_loss`` is logged with other arguments (``edit``), as after
+    an edit of the code between a save and its resume."""
+
+    def __init__(self, *, edit: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.edit = edit
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if name == "train_loss" and self.edit is not None:
+            kwargs.update(self.edit)
+        super().log(name, value, *args, **kwargs)
+
+
+def fit_edited(root: str, max_steps: int, edit: dict[str, Any] | None) -> dict[str, Any]:
+    """A fit of :class:`EditedModule` on one device, checkpointed every 5 steps, resuming
+    from the newest checkpoint of ``root``."""
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    pl.seed_everything(7, verbose=False)
+    model = EditedModule(n=32, edit=edit)
+    checkpoint = DistributedCheckpoint(
+        f"{root}/ckpts", every_n_train_steps=5, save_on_train_end=False
+    )
+    trainer = make_trainer(
+        root, max_steps=max_steps, strategy="auto", devices=1, callbacks=[checkpoint]
+    )
+    trainer.fit(model)
+    return {"epoch_values": model.epoch_values, "resumed_from": trainer.ckpt_path}
+
+
+def fit_native(root: str, max_steps: int, *, ckpt_path: str | None = None) -> dict[str, Any]:
+    """A fit on one device under ``ElasticStrategy`` whose checkpoints are Lightning's own
+    ``ModelCheckpoint(monitor="val_loss")`` saves, taken after each validation (every 5
+    global steps, inside 8-batch epochs), written through the strategy."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*ReduceLROnPlateau conditioned on metric.*")
+    warnings.filterwarnings("ignore", ".*when logging on epoch level in distributed.*")
+    warnings.filterwarnings("ignore", ".*The dirpath has changed from.*")
+    pl.seed_everything(7, verbose=False)
+    model = LoggingModule(n=32, plateaus=PLATEAUS)
+    reader = MetricsReader()
+    best = ModelCheckpoint(
+        dirpath=f"{root}/mc", monitor="val_loss", save_top_k=-1, filename="{step}"
+    )
+    trainer = make_trainer(
+        root,
+        max_steps=max_steps,
+        strategy=ElasticStrategy(),
+        devices=1,
+        callbacks=[reader, best],
+        val_check_interval=5,
+        check_val_every_n_epoch=None,
+    )
+    had_group = torch.distributed.is_initialized()
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    finally:
+        if not had_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # in this test process: leave none
+    return {
+        "records": model.records,
+        "epoch_values": model.epoch_values,
+        "seen": reader.seen,
+        "started": reader.started,
+        "resumed_from": trainer.ckpt_path,
+    }

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler, Subset
 
-from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from lightning_elastic import DistributedCheckpoint, ElasticStrategy, TierOptions
 from lightning_elastic.errors import PerRankStateError
 from tests.lightning.models import IdDataset, TinyModule, make_trainer
 
@@ -136,7 +136,7 @@ def fit(
     tiers: dict[str, Any] = {}
     if nodes:
         node = "ab"[dist.get_rank()]
-        tiers = {"local_dirpath": f"{root}/local/{node}", "node": node, "persist_every_n_saves": 3}
+        tiers = {"tiers": TierOptions(f"{root}/local/{node}", node=node, persist_every_n_saves=3)}
     checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=every, **tiers)
     trainer = make_trainer(
         root,

@@ -412,7 +412,7 @@ def test_options_are_checked_when_the_plugin_is_made() -> None:
     for bad in (
         dict(verify="most"),
         dict(async_save="yes"),
-        dict(timeout=-1),
+        dict(checkpoint_timeout=-1),
         dict(checksum="md5sum"),
         dict(storage_options=["x"]),
     ):

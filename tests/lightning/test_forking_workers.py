@@ -12,12 +12,9 @@ import pytest
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
-from lightning_elastic.lightning import fork_safety
-from lightning_elastic.lightning.fork_safety import (
-    ForkingWorkersWarning,
-    forking_loaders,
-    warn_forking_workers,
-)
+from lightning_elastic import ForkingWorkersWarning
+from lightning_elastic.core import forking_loaders as fork_safety
+from lightning_elastic.core.forking_loaders import forking_loaders, warn_forking_workers
 from lightning_elastic.testing.spawn import WorkerFailure, run_distributed
 from tests.lightning import forking_workers
 

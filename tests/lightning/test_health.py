@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elastic import CadenceOptions, MonitoringOptions
 from lightning_elastic.core.observe.history import read_history
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.testing.spawn import run_distributed
@@ -46,9 +47,7 @@ def test_a_slow_rank_is_reported_and_metrics_reach_loggers_and_the_endpoint(tmp_
         loggers=True,
         scrape=True,
         every_n_train_steps=5,
-        straggler_window=4,
-        straggler_factor=1.5,
-        metrics_port=0,
+        monitoring=MonitoringOptions(straggler_window=4, straggler_factor=1.5, metrics_port=0),
     )
     for rank in range(2):
         found = out[rank]["stragglers"]
@@ -92,8 +91,7 @@ def test_auto_cadence_chooses_the_interval_from_measured_saves(tmp_path) -> None
         step_sleep=0.05,
         auto_initial_s=0.3,
         train_time_interval="auto",
-        mtbf="4h",
-        max_overhead=0.5,
+        cadence=CadenceOptions(mtbf="4h", max_overhead=0.5),
     )
     # both ranks use rank 0's decisions: the same checkpoints; the interval is set from
     # measurements on every rank's copy of the cadence
@@ -172,20 +170,21 @@ def test_a_crash_by_exception_records_exactly_how_far_training_got(tmp_path) -> 
 
 def test_skipped_saves_and_the_save_in_flight_are_counted(tmp_path) -> None:
     import lightning_elastic.testing.faults  # noqa: F401  (registers faulty://)
-    from lightning_elastic import DistributedCheckpoint
+    from lightning_elastic import DistributedCheckpoint, ElasticStrategy
     from lightning_elastic.testing.faults import Fault
     from tests.lightning.models import TinyModule, make_trainer
 
     # every shard write stalls 0.5 s: saves due at every step find the last one in flight
     faults = [Fault("open", "*.distcp", "stall", seconds=0.5)]
     checkpoint = DistributedCheckpoint(
-        f"faulty://{tmp_path}/ckpts",
-        storage_options={"faults": faults},
-        every_n_train_steps=1,
-        when_busy="skip",
+        f"faulty://{tmp_path}/ckpts", every_n_train_steps=1, when_busy="skip"
     )
     trainer = make_trainer(
-        str(tmp_path), max_steps=6, strategy="auto", devices=1, callbacks=[checkpoint]
+        str(tmp_path),
+        max_steps=6,
+        strategy=ElasticStrategy(storage_options={"faults": faults}),
+        devices=1,
+        callbacks=[checkpoint],
     )
     trainer.fit(TinyModule())
     assert checkpoint.health is not None

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic import CorruptCheckpointWarning, DistributedCheckpoint
+from lightning_elastic import CorruptCheckpointWarning, DistributedCheckpoint, ElasticStrategy
 from lightning_elastic.core.observe.history import read_history
 from lightning_elastic.core.storage.base import Storage
-from lightning_elastic.errors import ConfigError
+from lightning_elastic.errors import ConfigError, ElasticDeprecationWarning
 from lightning_elastic.testing.spawn import run_distributed
 from tests.lightning import workers
 
@@ -131,7 +131,6 @@ def test_save_checkpoint_and_fit_ckpt_path(tmp_path) -> None:
         ({"train_time_interval": -1}, "train_time_interval"),
         ({"keep_best_k": 2}, "monitor"),
         ({"mode": "avg"}, "mode"),
-        ({"verify": "md5"}, "verify"),
         ({"resume": "maybe"}, "resume"),
         ({"signals": ["SIGNOPE"]}, "signal"),
         ({"when_busy": "queue"}, "when_busy"),
@@ -144,9 +143,6 @@ def test_save_checkpoint_and_fit_ckpt_path(tmp_path) -> None:
         ({"keep_last_n": 2.0}, "keep_last_n must be an integer"),
         ({"every_n_epochs": "1"}, "every_n_epochs"),
         ({"async_save": "yes"}, "async_save must be True or False"),
-        ({"trusted": 1}, "trusted must be True or False"),
-        ({"timeout": "10"}, r"timeout must be a duration \(a timedelta or seconds\)"),
-        ({"timeout": float("inf")}, r"timeout must be a duration .* in \[1e-06, "),
         ({"train_time_interval": float("nan")}, "train_time_interval"),
         ({"signals": "SIGNOPE"}, "unknown signal 'SIGNOPE'"),
         ({"signals": [1.5]}, "not a signal name or number"),
@@ -156,13 +152,36 @@ def test_save_checkpoint_and_fit_ckpt_path(tmp_path) -> None:
         ({"run_name": "a" * 129}, "run_name must be 1-128 letters"),
         ({"signals": "SIGKILL"}, "SIGKILL cannot be caught"),
         ({"signals": b"SIGTERM"}, "not a signal name or number"),
-        ({"timeout": 1e300}, r"timeout must be .* 3\.1536e\+07\] s \(at most a year\)"),
-        ({"storage_options": "anon=true"}, "storage_options must be a dict"),
     ],
 )
 def test_options_are_validated(kwargs, match) -> None:
     with pytest.raises(ConfigError, match=match):
         DistributedCheckpoint("/tmp/x", **kwargs)
+
+
+STRATEGY_OPTIONS = [
+    ({"verify": "md5"}, "verify"),
+    ({"trusted": 1}, "trusted must be True or False"),
+    ({"timeout": "10"}, r"timeout must be a duration \(a timedelta or seconds\)"),
+    ({"timeout": float("inf")}, r"timeout must be a duration .* in \[1e-06, "),
+    ({"timeout": 1e300}, r"timeout must be .* 3\.1536e\+07\] s \(at most a year\)"),
+    ({"storage_options": "anon=true"}, "storage_options must be a dict"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), STRATEGY_OPTIONS)
+def test_the_strategy_options_on_the_callback_are_deprecated_and_still_checked(
+    kwargs, match
+) -> None:
+    ((name, value),) = kwargs.items()
+    new = "checkpoint_timeout" if name == "timeout" else name
+    with (
+        pytest.warns(ElasticDeprecationWarning, match=rf"use ElasticStrategy\({new}=\.\.\.\)"),
+        pytest.raises(ConfigError, match=match),
+    ):
+        DistributedCheckpoint("/tmp/x", **kwargs)
+    with pytest.raises(ConfigError, match=match.replace("timeout must", "checkpoint_timeout must")):
+        ElasticStrategy(**{new: value})
 
 
 @pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"])

@@ -2,28 +2,41 @@
 same world size across epoch boundaries (0 and 2 loader workers, drop_last both ways), epochs
 where an uninterrupted run at the new size puts them after 2 -> 3 -> 2 -> 1 ranks, every
 sample once per epoch except what LitData's elastic resume repeats (and a warning says so), and
-a dataset built before the process group fixed or refused.
+a dataset built before the process group fixed or refused (a validation one too). Hostile
+cases: ``limit_train_batches`` cutting LitData's pass, a ``CombinedStreamingDataset`` (same
+topology exact, another one started over with a warning), hand-edited or foreign loader
+states, a torch ``DataLoader`` over LitData, ``global_batch_size``, model parallelism.
 
-One dataset of 96 samples in 8 chunks (``litdata.optimize``, once per module); one launch at 2
-ranks runs the same-world fits and starts the chain that 3, 2 and 1 ranks continue."""
+One dataset of 96 samples in 8 chunks and one of 24 (``litdata.optimize``, once per module);
+one launch at 2 ranks runs the same-world fits and starts the chain that 3, 2 and 1 ranks
+continue; the hostile fits run in this process, at one rank."""
 
 from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import logging
+import warnings
 from typing import Any
 
 import pytest
+import torch
 
-from lightning_elastic.errors import DataShardingError
+from lightning_elastic import DistributedCheckpoint
+from lightning_elastic.errors import ConfigError, DataShardingError, WorldSizeError
 from lightning_elastic.testing.spawn import run_distributed
 from tests.elastic import journal
 from tests.lightning import litdata_workers as w
+from tests.lightning.models import make_trainer
 
 litdata = pytest.importorskip("litdata")
 
-from lightning_elastic.lightning import litdata_loaders, litdata_plan  # noqa: E402
+from lightning_elastic.lightning import (  # noqa: E402
+    litdata_loaders,
+    litdata_plan,
+    litdata_ranks,
+)
 
 pytestmark = pytest.mark.timeout(400)
 EPOCHS = 4
@@ -107,8 +120,11 @@ def trained_before(monkeypatch, data, world, workers, batch, batches, drop_last=
         # without drop_last, 96 - 15 samples left in batches of 5: ranks 0 and 1 get 6
         # batches, rank 2 gets 5; the loop runs 5 on each (and 24 done are rounded down to 15)
         ((2, 0, 4), 3, (3, 0, 5), False, {"batches": (6, 6, 5), "repeated": 9, "uneven": 2}),
+        # 92 of 96 done, rounded down to 91 (batches of 7): the 5 left are fewer than a batch,
+        # drop_last deals none, so none is dealt again (the 4 never trained are dropped)
+        ((1, 0, 4), 23, (1, 0, 7), True, {"batches": (0,), "dropped": 4}),
     ],
-    ids=["2to3-workers", "3to2-repeats", "2to1", "2to3-late", "2to3-uneven"],
+    ids=["2to3-workers", "3to2-repeats", "2to1", "2to3-late", "2to3-uneven", "batch-4to7-late"],
 )
 def test_the_resume_plan_is_what_litdata_yields(
     monkeypatch, data, saved, batches, now, drop_last, expected
@@ -171,7 +187,7 @@ def test_a_dataset_built_before_the_process_group_is_fixed_when_only_its_rank_is
     assert loader.dataset.distributed_env.global_rank == 0
     agreed = []
     with caplog.at_level(logging.WARNING, "lightning_elastic"):
-        litdata_loaders.check_ranks(
+        litdata_ranks.check_ranks(
             loader, rank=1, replicas=2, all_agree=lambda ok: agreed.append(ok) or ok
         )
     assert agreed == [True]
@@ -186,18 +202,26 @@ def test_a_dataset_built_before_the_process_group_is_fixed_when_only_its_rank_is
     assert len(fixed) == len(rank0) == w.N // 2 and not fixed & rank0
 
 
-def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(monkeypatch, data) -> None:
+def test_a_dataset_set_up_for_another_world_is_refused_on_every_rank(
+    monkeypatch, data, caplog
+) -> None:
     # Lightning's own launcher: rank 0 built it before WORLD_SIZE was set (a world of 1, no
     # drop_last); the other ranks agree to refuse with it
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("GLOBAL_RANK", raising=False)
     loader = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=None), batch_size=4)
     with pytest.raises(DataShardingError, match=r"world of 1 \(rank 0\).*train_dataloader\(\)"):
-        litdata_loaders.check_ranks(loader, rank=0, replicas=2, all_agree=lambda ok: ok)
+        litdata_ranks.check_ranks(loader, rank=0, replicas=2, all_agree=lambda ok: ok)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    fine = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=True), batch_size=4)
-    with pytest.raises(DataShardingError, match="another rank"):
-        litdata_loaders.check_ranks(fine, rank=0, replicas=2, all_agree=lambda ok: False)
+    dataset = w.streaming_dataset(data, drop_last=True)
+    wrong_rank = litdata.StreamingDataLoader(dataset, batch_size=4)
+    with (
+        caplog.at_level(logging.WARNING, "lightning_elastic"),
+        pytest.raises(DataShardingError, match="another rank"),
+    ):
+        litdata_ranks.check_ranks(wrong_rank, rank=1, replicas=2, all_agree=lambda ok: False)
+    # on a rank whose dataset only had its rank wrong: nothing said fixed, as nothing runs
+    assert wrong_rank.dataset.distributed_env.global_rank == 0 and not caplog.text
 
 
 def test_the_litdata_internals_we_rely_on_are_there() -> None:
@@ -299,6 +323,7 @@ def test_world_size_changes_end_every_epoch_where_its_data_ends(two_ranks, data)
         assert repeated == (4 if epoch == 1 else 0), f"epoch {epoch}: {repeated} twice"
     warned = [m for m in logs[2] if "cannot train every sample of epoch" in m]
     assert len(warned) == 1 and "4 sample(s) trained before the save are dealt again" in warned[0]
+    assert "every sample of epoch 1 (LitData's epoch 2)" in warned[0]  # the loop's, and LitData's
     assert not any("cannot train every sample" in m for m in logs[3] + logs[1])
 
 
@@ -336,3 +361,281 @@ def test_a_second_resume_at_the_new_topology_continues_the_elastic_plan(
         assert again == 0 and sum(ids.values()) == w.N - sum(done.values())
     else:
         assert again > 0
+
+
+# ---------------------------------------------------------------------- hostile, in one process
+
+
+@pytest.fixture(scope="module")
+def small(data, tmp_path_factory) -> str:
+    return w.write(tmp_path_factory.mktemp("litdata") / "small", n=24)
+
+
+@pytest.fixture(scope="module")
+def one_rank(data, small, tmp_path_factory) -> dict[str, Any]:
+    """In this process, no process group: for each case an uninterrupted fit, one that crashes
+    and its resumption."""
+    root = tmp_path_factory.mktemp("one")
+    cases = {
+        # limit_train_batches=4 of 24: the save at step 4 is at epoch 0's end, LitData's pass
+        # is not over; the crash is in epoch 1
+        "limit": ({"max_epochs": 3, "every": 2, "limit_train_batches": 4}, 5),
+        # 96 + 24 samples, 30 batches an epoch: the crash mid-epoch 0, resumed from step 10
+        "combined": ({"max_epochs": 2, "every": 10, "combined_with": small}, 15),
+    }
+    runs = {}
+    with warnings.catch_warnings():  # Lightning's, about any IterableDataset with a length
+        warnings.filterwarnings("ignore", ".*IterableDataset. has .__len__. defined")
+        warnings.filterwarnings("ignore", ".*does not have many workers")
+        for name, (kw, crash_at) in cases.items():
+            runs[name] = {
+                "reference": w.fit(f"{root}/{name}/ref", data, **kw),
+                "crashed": w.fit(f"{root}/{name}/run", data, crash_at=crash_at, **kw),
+                "resumed": w.fit(f"{root}/{name}/run", data, **kw),
+            }
+        # batch 4 crashed after 23 of 24 batches (saved there), resumed with batch 7: the
+        # 4 samples left are fewer than a batch, LitData's elastic resume deals none
+        crashed = w.fit(f"{root}/empty", data, max_epochs=2, crash_at=23, every=23)
+        resumed = w.fit(f"{root}/empty", data, max_epochs=2, every=23, batch_size=7)
+        runs["empty"] = {"crashed": crashed, "resumed": resumed, "root": f"{root}/empty"}
+    return runs
+
+
+def assert_resumed_exactly(run: dict[str, Any], saved_at: int, steps: int) -> None:
+    reference, resumed = run["reference"], run["resumed"]
+    assert run["crashed"]["crashed"] and not resumed["crashed"]
+    assert resumed["resumed_from"].endswith(f"step_{saved_at:09d}")
+    assert resumed["seen"] == [s for s in reference["seen"] if s[0] >= saved_at]
+    assert resumed["losses"] == [s for s in reference["losses"] if s[0] >= saved_at]  # bitwise
+    assert (resumed["global_step"], resumed["current_epoch"]) == (steps, reference["current_epoch"])
+
+
+def test_a_save_at_the_end_of_an_epoch_cut_by_limit_train_batches_resumes_the_next_epoch(
+    one_rank,
+) -> None:
+    # the epoch's 4 batches do not run LitData's pass to its end: its state (16 of 96 samples)
+    # is mid-pass, and LitData replayed the rest of that pass as the loop's next epoch
+    assert_resumed_exactly(one_rank["limit"], 4, 12)
+
+
+def test_a_combined_streaming_dataset_trains_and_resumes_exactly_across_an_epoch_end(
+    one_rank,
+) -> None:
+    # it crashed at setup (its state has no input_dir of its own); resumed, the epoch after
+    # the resumed one is a whole one (LitData ends the resumed pass when the loop says so)
+    assert_resumed_exactly(one_rank["combined"], 10, 60)
+
+
+class Trainer:
+    """What :func:`litdata_loaders.adopt` reads of a trainer whose fit loop restarts."""
+
+    def __init__(self, restarting: bool = True) -> None:
+        self.fit_loop = type("FitLoop", (), {"restarting": restarting})()
+        self.global_rank = 0
+        self.reload_dataloaders_every_n_epochs = 0
+
+
+def first_ids(loader, n=8) -> list[int]:
+    return [int(i) for batch in itertools.islice(iter(loader), n // 4) for i in batch[0]]
+
+
+MID_EPOCH_2 = litdata_loaders.LoopPosition(epoch=2, batches=5, last_batch=False, resumed=True)
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda s: s.pop("current_epoch"), "current_epoch=None"),
+        (lambda s: s.update(num_samples_yielded=None), "num_samples_yielded=None"),
+        (
+            lambda s: s["dataset"].update(num_samples_yielded="20"),
+            "dataset num_samples_yielded='20'",
+        ),
+        (lambda s: s["dataset"].pop("batch_size"), "dataset batch_size=None"),
+        (lambda s: s["dataset"].update(seed=None), "dataset seed=None"),
+        (lambda s: s["dataset"].update(current_epoch=-3), "dataset current_epoch=-3"),
+    ],
+    ids=["no-epoch", "yielded-none", "yielded-str", "no-batch-size", "seed-none", "epoch<0"],
+)
+def test_hostile_a_hand_edited_litdata_state_starts_the_epoch_over_with_a_warning(
+    monkeypatch, data, caplog, edit, named
+) -> None:
+    state = saved_state(monkeypatch, data, 1, 0, 4, 5)
+    edit(state)
+    alone = loader_at(monkeypatch, data, 1, 0, 0, 4)
+    with pytest.raises((KeyError, TypeError, ValueError)):  # LitData alone, deep in the fit
+        alone.load_state_dict(copy.deepcopy(state))
+        first_ids(alone)
+    loader = loader_at(monkeypatch, data, 1, 0, 0, 4)
+    with caplog.at_level(logging.WARNING, "lightning_elastic"):
+        follower = litdata_loaders.adopt(
+            loader, Trainer(), world=1, states=[state], loop=MID_EPOCH_2
+        )
+        loader.load_state_dict(state)  # what Lightning does next
+    assert follower is None
+    assert f"not resumed (unreadable: {named})" in caplog.text
+    assert "the 5 batch(es) it did of epoch 2" in caplog.text
+    # the loop's epoch 2 reads LitData's epoch 3 (as the uninterrupted run) from its start
+    fresh = loader_at(monkeypatch, data, 1, 0, 0, 4)
+    fresh.current_epoch = 2
+    assert first_ids(loader) == first_ids(fresh)
+    # and without a restarting loop (Lightning gives no state) nothing fails either
+    litdata_loaders.adopt(
+        loader_at(monkeypatch, data, 1, 0, 0, 4),
+        Trainer(restarting=False),
+        world=1,
+        states=[state],
+        loop=MID_EPOCH_2,
+    )
+
+
+def test_hostile_a_checkpoint_of_another_training_dataloader_is_not_given_to_litdata(
+    monkeypatch, data, caplog
+) -> None:
+    # the run before trained from a map-style DataLoader (ours saves an empty state): LitData
+    # failed on it with KeyError('current_epoch')
+    alone = loader_at(monkeypatch, data, 1, 0, 0, 4)
+    with pytest.raises(KeyError):
+        alone.load_state_dict({})
+    loader = loader_at(monkeypatch, data, 1, 0, 0, 4)
+    with caplog.at_level(logging.WARNING, "lightning_elastic"):
+        litdata_loaders.adopt(loader, Trainer(), world=1, states=[{}], loop=MID_EPOCH_2)
+        loader.load_state_dict({})
+    assert f"not resumed (none of its training dataloader states reads {data}:" in caplog.text
+    assert loader.current_epoch == 2 and not loader.restore
+
+
+def combined_loader_at(monkeypatch, data, small, world, batches=0):
+    """A StreamingDataLoader over a CombinedStreamingDataset as rank 0 of ``world`` builds
+    it, after ``batches`` batches."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("GLOBAL_RANK", "0")
+    datasets = [w.streaming_dataset(d, drop_last=True) for d in (data, small)]
+    combined = litdata.CombinedStreamingDataset(datasets, seed=42, iterate_over_all=True)
+    loader = litdata.StreamingDataLoader(combined, batch_size=4)
+    if batches:
+        first_ids(loader, 4 * batches)
+    return loader
+
+
+def test_hostile_a_combined_dataset_resumed_at_another_world_starts_its_epoch_over(
+    monkeypatch, data, small, caplog
+) -> None:
+    # LitData refuses it (ValueError in load_state_dict, at every restart of an elastic job)
+    state = copy.deepcopy(combined_loader_at(monkeypatch, data, small, 2, batches=3).state_dict())
+    alone = combined_loader_at(monkeypatch, data, small, 3)
+    with pytest.raises(ValueError, match="match the checkpoint"):
+        alone.load_state_dict(copy.deepcopy(state))
+    loader = combined_loader_at(monkeypatch, data, small, 3)
+    loop = litdata_loaders.LoopPosition(epoch=0, batches=3, last_batch=False, resumed=True)
+    with caplog.at_level(logging.WARNING, "lightning_elastic"):
+        litdata_loaders.adopt(loader, Trainer(), world=3, states=[state], loop=loop)
+        loader.load_state_dict(state)
+    assert (
+        "LitData resumes a CombinedStreamingDataset only at the topology it was saved at "
+        "(2 rank(s) x 1 worker(s) x batch 4; now 3 x 1 x 4)" in caplog.text
+    )
+    assert "the 3 batch(es) it did of epoch 0" in caplog.text
+    assert first_ids(loader) == first_ids(combined_loader_at(monkeypatch, data, small, 3))
+
+
+def test_a_global_batch_size_the_streaming_loader_does_not_have_is_refused_with_the_numbers(
+    monkeypatch, data
+) -> None:
+    loader = loader_at(monkeypatch, data, 2, 0, 0, 4)
+    position = litdata_loaders.LoopPosition(epoch=0, batches=0, last_batch=False, resumed=False)
+    kw = {"states": [], "loop": position}
+    with pytest.raises(ConfigError, match=r"per-rank batch of 6 at world size 2.*batch_size=4"):
+        litdata_loaders.adopt(loader, Trainer(False), world=2, global_batch_size=12, **kw)
+    with pytest.raises(WorldSizeError, match=r"global_batch_size=12 is not divisible by .* 5"):
+        litdata_loaders.adopt(loader, Trainer(False), world=5, global_batch_size=12, **kw)
+    litdata_loaders.adopt(loader, Trainer(False), world=2, global_batch_size=8, **kw)
+
+
+def test_a_dataset_sharded_over_more_processes_than_replicas_is_refused_as_model_parallel(
+    monkeypatch, data
+) -> None:
+    # built where the process group exists (4 processes), under a strategy that trains 2
+    # data-parallel replicas: not a dataset "built before the process group"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("GLOBAL_RANK", "2")
+    loader = litdata.StreamingDataLoader(w.streaming_dataset(data, drop_last=True), batch_size=4)
+    with pytest.raises(DataShardingError, match=r"shards over all 4 processes .* 2 data-para"):
+        litdata_ranks.check_ranks(loader, rank=1, replicas=2, all_agree=lambda ok: ok)
+
+
+class PlainLoader(w.LitDataModule):
+    """A LitData dataset in a torch DataLoader (nothing keeps its position)."""
+
+    def train_dataloader(self) -> Any:
+        dataset = w.streaming_dataset(self.data, drop_last=True)
+        return torch.utils.data.DataLoader(dataset, batch_size=4)
+
+
+class BuiltBeforeTheGroup(w.LitDataModule):
+    """Validates on a StreamingDataset set up as rank 1 of 2 would have without a process
+    group (the strategy here: rank 0 of 1)."""
+
+    def val_dataloader(self) -> Any:
+        return litdata.StreamingDataLoader(self.validation, batch_size=4)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+def fit_briefly(tmp_path, model) -> None:
+    trainer = make_trainer(
+        str(tmp_path),
+        max_steps=2,
+        devices=1,
+        strategy="auto",
+        callbacks=[DistributedCheckpoint(str(tmp_path / "ckpts"))],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*IterableDataset. has .__len__. defined")
+        warnings.filterwarnings("ignore", ".*does not have many workers")
+        trainer.fit(model)
+
+
+def test_a_litdata_dataset_in_a_torch_dataloader_is_said_not_to_resume(
+    tmp_path, data, monkeypatch, caplog
+) -> None:
+    monkeypatch.setattr(litdata_loaders, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, "lightning_elastic"):
+        fit_briefly(tmp_path, PlainLoader(data, 0, True, n=w.N))
+    assert "(DataLoader over a LitData StreamingDataset) cannot resume" in caplog.text
+    assert "Build it as litdata.StreamingDataLoader" in caplog.text
+    assert "torchdata" not in caplog.text  # not the advice for other iterables
+
+
+def test_a_validation_dataset_built_before_the_process_group_is_refused_too(
+    tmp_path, data, monkeypatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("GLOBAL_RANK", "1")
+    validation = w.streaming_dataset(data, drop_last=True)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("GLOBAL_RANK")
+    model = BuiltBeforeTheGroup(data, 0, True, n=w.N)
+    model.validation = validation
+    with pytest.raises(DataShardingError, match=r"world of 2 \(rank 1\).* in val_dataloader\(\)"):
+        fit_briefly(tmp_path, model)
+
+
+def test_a_resume_that_leaves_no_batch_of_the_epoch_ends_it_at_once(one_rank) -> None:
+    # the loop's epoch 0 ends where it was saved (its length was reported as the 23 batches
+    # done: Lightning then started epoch 0 over, with LitData's next epoch as its rest, 88 of
+    # 96 samples twice at 2 -> 3 ranks); epoch 1 is a whole LitData epoch of 13 batches of 7
+    run = one_rank["empty"]
+    assert run["crashed"]["crashed"] and run["resumed"]["resumed_from"].endswith("000000023")
+    assert (run["resumed"]["global_step"], run["resumed"]["current_epoch"]) == (36, 2)
+    records = journal.read(f"{run['root']}/journal")
+    ends = [(r["epoch"], r["step"], r["batches"]) for r in records if r["kind"] == "epoch_end"]
+    assert ends == [(0, 23, 0), (1, 36, 13)]
+    per_epoch = journal.samples_per_epoch(records, 36)
+    assert (len(per_epoch[0]), len(per_epoch[1])) == (92, 91)
+    assert all(n == 1 for counts in per_epoch.values() for n in counts.values())
+    # the metric states saved mid-epoch 0 are put back where its first resumed batch would
+    # have started: epoch 0's epoch-end metrics count its 92 samples, epoch 1's its own 91
+    metrics = run["resumed"]["epoch_metrics"]
+    assert [(m["epoch"], len(m["id_cat"])) for m in metrics] == [(0, 92), (1, 91)]

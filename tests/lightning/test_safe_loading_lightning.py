@@ -162,23 +162,28 @@ class OpaqueModule(TinyModule):
         self.restored = checkpoint["opaque"].value
 
 
-def _fit_opaque(root: str, max_steps: int, **cb: Any) -> OpaqueModule:
+def _fit_opaque(root: str, max_steps: int, strategy: Any = "auto", **cb: Any) -> OpaqueModule:
     pl.seed_everything(7, verbose=False)
     model = OpaqueModule(n=32, batch_size=4)
     checkpoint = DistributedCheckpoint(f"{root}/ckpts", every_n_train_steps=2, **cb)
     trainer = make_trainer(
-        root, max_steps=max_steps, strategy="auto", devices=1, callbacks=[checkpoint]
+        root, max_steps=max_steps, strategy=strategy, devices=1, callbacks=[checkpoint]
     )
     trainer.fit(model)
     return model
 
 
-def test_a_user_type_is_refused_unless_the_callback_trusts_the_checkpoint(tmp_path) -> None:
-    from lightning_elastic import UnsafeCheckpointError
+def test_a_user_type_is_refused_unless_the_strategy_trusts_the_checkpoint(tmp_path) -> None:
+    from lightning_elastic import ElasticDeprecationWarning, ElasticStrategy, UnsafeCheckpointError
 
     _fit_opaque(str(tmp_path), 2)
     with pytest.raises(UnsafeCheckpointError, match=r"Opaque.*trusted=True"):
         _fit_opaque(str(tmp_path), 4)
     assert [p.name for p in sorted((tmp_path / "ckpts").glob("step_*"))] == ["step_000000002"]
-    model = _fit_opaque(str(tmp_path), 4, trusted=True)
+    # the callback's old spelling still works (with Lightning's own strategy too) ...
+    with pytest.warns(ElasticDeprecationWarning, match=r"ElasticStrategy\(trusted="):
+        model = _fit_opaque(str(tmp_path), 4, trusted=True)
     assert model.restored == 2
+    # ... the strategy's is the one to set
+    model = _fit_opaque(str(tmp_path), 6, strategy=ElasticStrategy(trusted=True))
+    assert model.restored == 4

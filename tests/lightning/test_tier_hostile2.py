@@ -1,4 +1,4 @@
-"""DistributedCheckpoint with local_dirpath on the Lightning paths the first review of #11
+"""DistributedCheckpoint with tiers on the Lightning paths the first review of #11
 did not cover: ckpt_path="last", a signal on one rank, a fit that raises, resume="never"."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elastic import TierOptions
 from lightning_elastic.testing.spawn import run_distributed
 from tests.lightning import tier_hostile2_workers as w
 from tests.lightning import workers
@@ -22,7 +23,7 @@ def steps(root: Path) -> list[int]:
 
 
 def tiers(tmp_path: Path, every: int = 10) -> dict:
-    return {"local_dirpath": str(tmp_path / "local"), "persist_every_n_saves": every}
+    return {"tiers": TierOptions(str(tmp_path / "local"), persist_every_n_saves=every)}
 
 
 def test_ckpt_path_last_resumes_from_the_newest_local_checkpoint(tmp_path) -> None:

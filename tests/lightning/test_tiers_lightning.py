@@ -1,4 +1,4 @@
-"""DistributedCheckpoint with a node-local tier (local_dirpath) on 2 CPU processes of one
+"""DistributedCheckpoint with a node-local tier (TierOptions) on 2 CPU processes of one
 node: saves commit locally, every k-th is persisted, a resume reads the fastest tier and is
 bitwise the uninterrupted run. Several nodes: tests/elastic/test_tiers_torchrun.py."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic import DistributedCheckpoint
-from lightning_elastic.errors import ConfigError
+from lightning_elastic import DistributedCheckpoint, TierOptions
+from lightning_elastic.errors import ConfigError, ElasticDeprecationWarning
 from lightning_elastic.testing.spawn import run_distributed
 from tests.lightning import workers
 from tests.lightning.test_lightning import MAX_STEPS, assert_same_tail
@@ -21,7 +21,7 @@ def steps(root: Path) -> list[int]:
 
 
 def test_a_killed_run_resumes_from_the_local_tier_then_from_the_persistent_one(tmp_path) -> None:
-    tiers = {"local_dirpath": str(tmp_path / "local"), "persist_every_n_saves": 2}
+    tiers = {"tiers": TierOptions(str(tmp_path / "local"), persist_every_n_saves=2)}
     reference = run_distributed(workers.fit, 2, str(tmp_path / "ref"), MAX_STEPS)
     run = str(tmp_path / "run")
     run_distributed(workers.fit, 2, run, MAX_STEPS, 13, may_die={0, 1}, **tiers)
@@ -51,7 +51,7 @@ def test_a_world_size_change_resumes_from_a_checkpoint_only_the_local_tier_holds
     job comes back with 1 process. A world-size change folds every saved rank's metric
     state into rank 0, read where the checkpoint was recovered (the node-local root), not
     from dirpath, which does not hold it."""
-    tiers = {"local_dirpath": str(tmp_path / "local"), "persist_every_n_saves": 3}
+    tiers = {"tiers": TierOptions(str(tmp_path / "local"), persist_every_n_saves=3)}
     run = str(tmp_path / "run")
     run_distributed(workers.fit, 2, run, MAX_STEPS, 13, may_die={0, 1}, **tiers)
     assert steps(tmp_path / "local") == [5, 10] and steps(tmp_path / "run" / "ckpts") == []
@@ -65,8 +65,7 @@ def test_a_world_size_change_resumes_from_a_checkpoint_only_the_local_tier_holds
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"replicas": 1}, "need local_dirpath"),
-        ({"local_dirpath": "/tmp/x", "replicas": -1}, "replicas must be an integer >= 0"),
+        ({"local_dirpath": "/tmp/x", "replicas": -1}, r"replicas must be an integer in \[0,"),
         ({"local_dirpath": "/tmp/x", "persist_every_n_saves": 0}, "persist_every_n_saves"),
         ({"local_dirpath": "/tmp/x", "local_keep": 1.5}, "local_keep"),
         ({"local_dirpath": "/tmp/x", "node": "a/b"}, "node must be"),
@@ -75,11 +74,23 @@ def test_a_world_size_change_resumes_from_a_checkpoint_only_the_local_tier_holds
 )
 def test_tier_options_are_validated_at_construction(kwargs, match) -> None:
     with pytest.raises(ConfigError, match=match):
-        DistributedCheckpoint("/tmp/ckpts", **kwargs)
+        TierOptions(**kwargs)
+
+
+def test_the_old_flat_tier_options_still_work_and_still_need_local_dirpath() -> None:
+    with pytest.warns(ElasticDeprecationWarning, match=r"use tiers=TierOptions\(") as warned:
+        old = DistributedCheckpoint("/tmp/ckpts", local_dirpath="/tmp/x", local_keep=3)
+    assert len(warned) == 2  # one per old spelling
+    assert old.tiers == TierOptions("/tmp/x", local_keep=3)
+    with (
+        pytest.warns(ElasticDeprecationWarning, match=r"TierOptions\(replicas="),
+        pytest.raises(ConfigError, match="replicas need local_dirpath"),
+    ):
+        DistributedCheckpoint("/tmp/ckpts", replicas=1)
 
 
 def test_the_local_root_cannot_be_the_persistent_root(tmp_path) -> None:
     with pytest.raises(ConfigError, match="same"):
         workers.fit(
-            str(tmp_path), 4, strategy="auto", devices=1, local_dirpath=str(tmp_path / "ckpts")
+            str(tmp_path), 4, strategy="auto", devices=1, tiers=TierOptions(tmp_path / "ckpts")
         )

@@ -93,11 +93,10 @@ def fit_with_failing_storage(root: str, faults: list) -> dict:
     from lightning_elastic.errors import CheckpointSaveError
 
     pl.seed_everything(7, verbose=False)
-    checkpoint = DistributedCheckpoint(
-        f"faulty://{root}/ckpts", storage_options={"faults": faults}, every_n_train_steps=2
-    )
+    checkpoint = DistributedCheckpoint(f"faulty://{root}/ckpts", every_n_train_steps=2)
     model = TinyModule()
-    trainer = make_trainer(root, max_steps=12, strategy=ElasticStrategy(), callbacks=[checkpoint])
+    strategy = ElasticStrategy(storage_options={"faults": faults})
+    trainer = make_trainer(root, max_steps=12, strategy=strategy, callbacks=[checkpoint])
     error = None
     try:
         trainer.fit(model)

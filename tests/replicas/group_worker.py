@@ -9,8 +9,11 @@ the groups are in step) and the group's failed step attempts so far. Environment
 * ``JOURNAL``: the journal file (one per group; ranks append to it);
 * ``SAMPLES``, ``BATCH``, ``EPOCHS``, ``STEP_SLEEP``: the workload;
 * ``CKPT``: a ``DistributedCheckpoint`` directory (saves every ``CKPT_EVERY`` steps);
-* ``DIE_AT_STEP``: SIGKILL this process inside that step's training_step (before its commit);
-* ``ACCUMULATE``: ``accumulate_grad_batches``.
+* ``DIE_AFTER``: SIGKILL this process inside the training_step that follows its N-th committed
+  step (before that step's commit; counted from this process's start, so a group that joins
+  late still dies inside a step; not after a restart by torchrun);
+* ``ACCUMULATE``: ``accumulate_grad_batches``;
+* ``HEAL_FAILS``: the first N fetches of a peer's live state fail (the peer went away).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ class Regression(pl.LightningModule):
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
         )
-        self.die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.die_after = int(os.environ.get("DIE_AFTER", "-1")) if first_start else -1
+        self.committed = 0
         self.sleep = float(os.environ.get("STEP_SLEEP", "0.05"))
         self.events_seen = 0
 
@@ -54,7 +59,7 @@ class Regression(pl.LightningModule):
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
         _, x = batch
-        if self.trainer.global_step + 1 == self.die_at:
+        if self.committed == self.die_after:
             os.kill(os.getpid(), signal.SIGKILL)
         loss = self.net(x).square().mean()
         self.log("loss", loss, on_step=True, on_epoch=True)
@@ -65,6 +70,7 @@ class Regression(pl.LightningModule):
         trainer = self.trainer
         if trainer.fit_loop._should_accumulate():
             return
+        self.committed += 1
         strategy = trainer.strategy
         digest = hashlib.sha1()
         for parameter in self.parameters():
@@ -99,8 +105,24 @@ class Regression(pl.LightningModule):
         return DataLoader(Numbered(), batch_size=BATCH, shuffle=True)
 
 
+def _failing_heals(count: int) -> None:
+    from lightning_elastic.core.replicas.transport import LiveStateTransport
+
+    receive = LiveStateTransport.recv_checkpoint
+    left = [count]
+
+    def recv_checkpoint(self: LiveStateTransport, *args: object, **kwargs: object) -> object:
+        if left[0] > 0:
+            left[0] -= 1
+            raise ConnectionError("injected: the peer serving the live state went away")
+        return receive(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    LiveStateTransport.recv_checkpoint = recv_checkpoint  # type: ignore[method-assign]
+
+
 def main() -> None:
     pl.seed_everything(0)
+    _failing_heals(int(os.environ.get("HEAL_FAILS", "0")))
     callbacks = []
     if os.environ.get("CKPT"):
         callbacks.append(

@@ -27,10 +27,12 @@ ft = pytest.importorskip("torchft", reason="replica groups need torchft (the ft 
 class Lighthouse:
     """torchft's Lighthouse on a free port of this process (a 1 s heartbeat timeout)."""
 
-    def __init__(self, *, heartbeat_s: float = 1.0, join_s: float = 0.5) -> None:
+    def __init__(self, *, heartbeat_s: float = 1.0, join_s: float = 0.5, groups: int = 1) -> None:
         from lightning_elastic.lighthouse import Lighthouse as Server
 
-        self.server = Server(heartbeat_timeout=heartbeat_s, join_timeout=join_s)
+        self.server = Server(
+            heartbeat_timeout=heartbeat_s, join_timeout=join_s, min_replica_groups=groups
+        )
         self.address = self.server.address
 
     def close(self) -> None:
@@ -173,6 +175,7 @@ def check_in_step(records: list[dict[str, Any]]) -> None:
 def check_exactly_once(records: list[dict[str, Any]], samples: int, epochs: Iterator[int]) -> None:
     """Every sample in exactly one committed step of each of ``epochs``."""
     trained: dict[int, list[int]] = collections.defaultdict(list)
+    where: dict[tuple[int, int], list[tuple[str, int, int]]] = collections.defaultdict(list)
     seen: set[tuple[int, int, int, str]] = set()
     for r in records:
         key = (r["step"], r["rank"], r["pid"], r["group"])
@@ -180,8 +183,32 @@ def check_exactly_once(records: list[dict[str, Any]], samples: int, epochs: Iter
             continue
         seen.add(key)
         trained[r["epoch"]].extend(r["ids"])
+        for i in r["ids"]:
+            where[(r["epoch"], i)].append((r["group"], r["pid"], r["step"]))
     for epoch in epochs:
         counts = collections.Counter(trained[epoch])
         twice = sorted(i for i, n in counts.items() if n > 1)
         never = sorted(set(range(samples)) - set(counts))
-        assert not twice and not never, f"epoch {epoch}: twice {twice}, never {never}"
+        by = {i: where[(epoch, i)] for i in twice[:4]}
+        assert not twice and not never, f"epoch {epoch}: twice {twice} {by}, never {never}"
+
+
+@contextlib.contextmanager
+def solo_group(
+    monkeypatch: pytest.MonkeyPatch, name: str = "solo", *, groups: int = 1
+) -> Iterator[Lighthouse]:
+    """One replica group in this process (a Lighthouse of its own, whose quorums need
+    ``groups`` groups): a fit inside the block runs under strategy="elastic_ft"; its process
+    group is destroyed after, since later tests of this pytest process expect none."""
+    import torch.distributed as dist
+
+    lighthouse = Lighthouse(groups=groups)
+    monkeypatch.setenv("LIGHTNING_ELASTIC_LIGHTHOUSE", lighthouse.address)
+    monkeypatch.setenv("LIGHTNING_ELASTIC_REPLICA_GROUP", name)
+    monkeypatch.setenv("RUST_LOG", "warn")
+    try:
+        yield lighthouse
+    finally:
+        lighthouse.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -146,3 +146,138 @@ def test_a_redone_step_is_bitwise_the_step_without_a_failure(
     assert faulty.steps == clean.steps
     trained = sorted(i for s in first_epoch for i in s["samples"])
     assert trained == list(range(40))  # the first epoch: every sample once
+
+
+class WithUnused(pl.LightningModule):
+    """A head the loss never reaches (a second task's, a frozen-by-routing branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(6, 1)
+        self.unused = torch.nn.Linear(6, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _, x = batch
+        return self.net(x).square().mean()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        assert self.unused.weight.grad is None  # clipping, optimizers and hooks see it unused
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.5)
+
+    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        return DataLoader(Numbered(), batch_size=8, shuffle=True)
+
+
+def test_a_parameter_no_backward_reached_stays_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on one device and under DDP, a parameter without a gradient anywhere keeps
+    ``grad=None``, so AdamW's weight decay and moments leave it alone (a zero gradient
+    decayed it by lr * weight_decay each step)."""
+    from lightning_elastic import ElasticFTStrategy
+    from tests.replicas.harness import solo_group
+
+    model = WithUnused()
+    before = model.unused.weight.detach().clone()
+    with solo_group(monkeypatch):
+        pl.Trainer(
+            strategy=ElasticFTStrategy(step_timeout=5, quorum_timeout=30),
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            gradient_clip_val=1.0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(model)
+    assert torch.equal(model.unused.weight, before)
+    assert model.unused.weight not in model.trainer.optimizers[0].state
+
+
+class Validated(pl.LightningModule):
+    """Validation with a torchmetrics metric, ReduceLROnPlateau and EarlyStopping on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+        )
+        self.val_mse = torchmetrics.MeanSquaredError()
+        self.validated_at: list[int] = []
+        self.autocast: set[bool] = set()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, x = batch
+        self.autocast.add(torch.is_autocast_enabled("cpu"))
+        loss = (self.net(x).float().squeeze(1) - ids.float() / 40).square().mean()
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, x = batch
+        self.val_mse(self.net(x).float().squeeze(1), ids.float() / 40)
+        self.log("val_mse", self.val_mse, on_epoch=True)
+
+    def on_validation_end(self) -> None:
+        self.validated_at.append(self.trainer.global_step)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, patience=0, factor=0.5, threshold=1.0, threshold_mode="abs"
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": plateau, "monitor": "val_mse"},
+        }
+
+    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        return DataLoader(Numbered(), batch_size=3, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        return DataLoader(Numbered(), batch_size=8)
+
+
+def test_validation_every_n_steps_early_stopping_and_plateau_in_bf16_as_lightning_runs_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bf16-mixed, validation every 5 steps and at epoch ends: validation runs at the steps
+    plain Lightning runs it, ReduceLROnPlateau lowers the LR on the validation metric and
+    EarlyStopping ends the fit at an epoch end, before max_epochs."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from lightning_elastic import ElasticFTStrategy
+    from tests.replicas.harness import solo_group
+
+    def fit(strategy: Any) -> tuple[Validated, pl.Trainer]:
+        pl.seed_everything(1)
+        model = Validated()
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-mixed",
+            max_epochs=40,
+            val_check_interval=5,
+            num_sanity_val_steps=0,
+            callbacks=[
+                EarlyStopping("val_mse", patience=1, min_delta=1.0, check_on_train_epoch_end=True)
+            ],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        return model, trainer
+
+    plain, lightning = fit("auto")
+    with solo_group(monkeypatch):
+        model, trainer = fit(ElasticFTStrategy(step_timeout=5, quorum_timeout=30))
+    assert model.autocast == {True}
+    assert model.validated_at == plain.validated_at
+    assert trainer.global_step == lightning.global_step == 28  # two epochs of 14 steps
+    assert trainer.current_epoch == lightning.current_epoch
+    lrs = [t.optimizers[0].param_groups[0]["lr"] for t in (trainer, lightning)]
+    assert lrs == [0.025, 0.025]

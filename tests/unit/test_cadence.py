@@ -7,9 +7,11 @@ from datetime import timedelta
 
 import pytest
 
+from lightning_elastic.core.options import MAX_SECONDS
 from lightning_elastic.core.policy.cadence import (
     AutoCadence,
     Cadence,
+    CadenceOptions,
     Continuous,
     mtbf_from_history,
     parse_duration,
@@ -131,20 +133,57 @@ def test_continuous_waits_for_the_commit_and_the_minimum_interval() -> None:
 def test_train_time_interval_options_are_checked_together() -> None:
     assert Cadence.of(None).interval is None
     assert Cadence.of(30).interval is not None and Cadence.of(30).auto is None
-    auto = Cadence.of("auto", mtbf="4h", max_overhead=0.02)
+    auto = Cadence.of("auto", CadenceOptions(mtbf="4h", max_overhead=0.02))
     assert auto.auto == {"mtbf_s": 14400.0, "max_overhead": 0.02}
     assert auto.interval is not None and auto.interval.seconds == Cadence.AUTO_INITIAL_S
     built = auto.build_auto(nodes=2, history_mtbf_s=None)
     assert built is not None and built.job_mtbf_s == 7200.0
-    assert Cadence.of("continuous", min_interval=5).continuous is not None
+    assert Cadence.of("auto").auto == {"mtbf_s": None, "max_overhead": 0.01}
+    assert Cadence.of("continuous", CadenceOptions(min_interval=5)).continuous is not None
     with pytest.raises(ConfigError, match="mtbf is used only"):
-        Cadence.of(60, mtbf="4h")
-    assert Cadence.of("continuous", min_interval="5m").continuous.min_interval_s == 300.0
+        Cadence.of(60, CadenceOptions(mtbf="4h"))
+    continuous = Cadence.of("continuous", CadenceOptions(min_interval="5m")).continuous
+    assert continuous is not None and continuous.min_interval_s == 300.0
     with pytest.raises(ConfigError, match="max_overhead is used only"):
-        Cadence.of(60, max_overhead=0.01)  # also the default value: it means nothing here
+        Cadence.of(60, CadenceOptions(max_overhead=0.01))  # the default value: meaningless here
     with pytest.raises(ConfigError, match="min_interval is used only"):
-        Cadence.of("auto", min_interval=5)
-    with pytest.raises(ConfigError, match="max_overhead must be a fraction"):
-        Cadence.of("auto", max_overhead=1.5)
+        Cadence.of("auto", CadenceOptions(min_interval=5))
     with pytest.raises(ConfigError, match='"auto" or "continuous"'):
         Cadence.of("hourly")
+    with pytest.raises(ConfigError, match=r"cadence must be a CadenceOptions"):
+        Cadence.of("auto", {"mtbf": "4h"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"max_overhead": 1.5}, "max_overhead must be a fraction"),
+        ({"max_overhead": 0}, "max_overhead must be a fraction"),
+        ({"mtbf": "soon"}, "mtbf must be a duration like '4h'"),
+        ({"mtbf": -1}, "mtbf must be a duration"),
+        ({"min_interval": "400d"}, r"min_interval .* \(at most a year\), got '400d'"),
+    ],
+)
+def test_cadence_options_are_checked_when_built(options: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        CadenceOptions(**options)
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"), [("30m", 1800.0), ("600", 600.0), ("1e3", 1000.0), (" 2h ", 7200.0)]
+)
+def test_train_time_interval_is_read_as_mtbf_and_min_interval_are(
+    given: str, seconds: float
+) -> None:
+    """A string such as "30m" is a duration here too (YAML hands "1e3" over as a string);
+    it used to be refused although mtbf="4h" and min_interval="5m" were accepted."""
+    interval = Cadence.of(given).interval
+    assert interval is not None and interval.seconds == seconds
+
+
+def test_a_max_overhead_near_zero_waits_at_most_a_year() -> None:
+    """5e-324 is a fraction in (0, 1): the overhead bound cost / max_overhead was infinite
+    (a cadence of inf seconds, written to the run history as Infinity)."""
+    cadence = AutoCadence(mtbf_s=None, nodes=1, max_overhead=5e-324)
+    choice = cadence.observe(blocked_s=0.5, slowdown_s=0.0, write_s=1.0)
+    assert choice.interval_s == MAX_SECONDS and choice.bound == "overhead"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -31,6 +32,34 @@ def test_torchmetrics_keeps_update_count_and_reductions_on_instances() -> None:
     assert lightning_compat.metric_update_count(metric) == 5
 
 
+def test_lightning_strategies_keep_the_attributes_our_strategies_read() -> None:
+    """What lightning/_compat.py reads and writes on a strategy (instance attributes)."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    ddp = DDPStrategy()
+    lightning_compat.set_strategy_devices(ddp, [torch.device("cpu")] * 2)
+    lightning_compat.set_strategy_nodes(ddp, 3)
+    assert ddp.parallel_devices == [torch.device("cpu")] * 2 and ddp.num_nodes == 3
+    assert lightning_compat.strategy_nodes(ddp) == 3
+    assert lightning_compat.process_group_backend(ddp) == "gloo"  # no accelerator: gloo
+    assert lightning_compat.process_group_timeout(DDPStrategy(timeout=timedelta(seconds=7)))
+    sharded = ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=2)
+    assert lightning_compat.parallel_sizes(sharded) == ("auto", 2)
+    lightning_compat.set_data_parallel_size(sharded, 4)
+    assert lightning_compat.parallel_sizes(sharded) == (4, 2)
+
+
+def test_torch_keeps_the_elastic_agent_restart_budget_and_the_public_tcp_store() -> None:
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    class Agent:  # the attribute SimpleElasticAgent.__init__ sets, on a stand-in
+        _remaining_restarts = 2
+
+    assert "_remaining_restarts" in SimpleElasticAgent.__init__.__code__.co_names
+    assert core_compat.give_back_restart(Agent()) == 3
+    assert core_compat.tcp_store_class() is torch.distributed.TCPStore
+
+
 def test_a_missing_requirement_is_named() -> None:
     assert core_compat.unmet((("torch", "no_such_attribute"), ("no_such_module", "x"))) == [
         "torch:no_such_attribute",
@@ -51,7 +80,11 @@ def _modules_after(code: str) -> set[str]:
 def test_importing_the_package_the_core_or_the_cli_never_imports_lightning() -> None:
     loaded = _modules_after(
         "import lightning_elastic, lightning_elastic.core, lightning_elastic.errors, "
-        "lightning_elastic.cli, lightning_elastic.core.engine"
+        "lightning_elastic.cli, lightning_elastic.core.engine, "
+        # what moved out of lightning/: the health monitor, the save schedule, the fork check
+        # and the shard plan
+        "lightning_elastic.core.observe.monitor, lightning_elastic.core.policy.schedule, "
+        "lightning_elastic.core.forking_loaders, lightning_elastic.core.elastic.shards"
     )
     assert "lightning" not in loaded and "lightning.pytorch" not in loaded
 

@@ -146,7 +146,7 @@ def test_global_batch_size_must_divide_by_the_world_size() -> None:
 def test_metric_folding_and_the_unmergeable_warning() -> None:
     import torchmetrics
 
-    from lightning_elastic.lightning.metrics import fold_metric_states, metric_states
+    from lightning_elastic.lightning.torchmetrics_state import fold_metric_states, metric_states
 
     class Holder(torch.nn.Module):
         def __init__(self) -> None:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from collections.abc import Callable
 from datetime import timedelta
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from jsonargparse import ArgumentParser
 
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine
@@ -20,6 +24,8 @@ from lightning_elastic.core.options import (
     MAX_COUNT,
     MAX_SECONDS,
     MIN_SECONDS,
+    MonitoringOptions,
+    TierOptions,
     check_bool,
     check_choice,
     check_count,
@@ -29,7 +35,7 @@ from lightning_elastic.core.options import (
     check_signals,
     one_timeout,
 )
-from lightning_elastic.core.policy.cadence import AutoCadence, Continuous
+from lightning_elastic.core.policy.cadence import AutoCadence, CadenceOptions, Continuous
 from lightning_elastic.core.policy.retention import KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.policy.triggers import EveryInterval, EveryNEpochs, EveryNSteps
 from lightning_elastic.core.storage.base import Storage
@@ -119,30 +125,28 @@ def _engine(**kw: Any) -> CheckpointEngine:
     return CheckpointEngine(root, coordinator=Coordinator.single_process(), **kw)
 
 
-def _tiers(**kw: Any) -> dict[str, Any]:
-    return {"local_dirpath": "/dev/shm/never-written", **kw}
+def _tiers(**kw: Any) -> TierOptions:
+    return TierOptions("/dev/shm/never-written", **kw)
 
 
 NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
     "every_n_train_steps": lambda v, _: DistributedCheckpoint(every_n_train_steps=v),
     "every_n_epochs": lambda v, _: DistributedCheckpoint(every_n_epochs=v),
     "train_time_interval": lambda v, _: DistributedCheckpoint(train_time_interval=v),
-    "mtbf": lambda v, _: DistributedCheckpoint(train_time_interval="auto", mtbf=v),
-    "max_overhead": lambda v, _: DistributedCheckpoint(train_time_interval="auto", max_overhead=v),
-    "min_interval": lambda v, _: DistributedCheckpoint(
-        train_time_interval="continuous", min_interval=v
-    ),
+    "mtbf": lambda v, _: CadenceOptions(mtbf=v),
+    "max_overhead": lambda v, _: CadenceOptions(max_overhead=v),
+    "min_interval": lambda v, _: CadenceOptions(min_interval=v),
     "keep_last_n": lambda v, _: DistributedCheckpoint(keep_last_n=v),
-    "keep_every_n_steps": lambda v, _: DistributedCheckpoint(keep_every_n_steps=v),
     "keep_best_k": lambda v, _: DistributedCheckpoint(keep_best_k=v, monitor="loss"),
-    "timeout": lambda v, _: DistributedCheckpoint(timeout=v),
-    "metrics_port": lambda v, _: DistributedCheckpoint(metrics_port=v),
-    "straggler_factor": lambda v, _: DistributedCheckpoint(straggler_factor=v),
-    "straggler_window": lambda v, _: DistributedCheckpoint(straggler_window=v),
-    "persist_every_n_saves": lambda v, _: DistributedCheckpoint(**_tiers(persist_every_n_saves=v)),
-    "replicas": lambda v, _: DistributedCheckpoint(**_tiers(replicas=v)),
-    "local_keep": lambda v, _: DistributedCheckpoint(**_tiers(local_keep=v)),
+    "metrics_port": lambda v, _: MonitoringOptions(metrics_port=v),
+    "straggler_factor": lambda v, _: MonitoringOptions(straggler_factor=v),
+    "straggler_window": lambda v, _: MonitoringOptions(straggler_window=v),
+    "persist_every_n_saves": lambda v, _: _tiers(persist_every_n_saves=v),
+    "replicas": lambda v, _: _tiers(replicas=v),
+    "local_keep": lambda v, _: _tiers(local_keep=v),
     "checkpoint_timeout": lambda v, _: ElasticStrategy(checkpoint_timeout=v),
+    "strategy timeout": lambda v, _: ElasticStrategy(timeout=v),
+    "fsdp timeout": lambda v, _: ElasticFSDPStrategy(timeout=v),
     "global_batch_size": lambda v, _: ElasticStrategy(global_batch_size=v),
     "tensor_parallel_size": lambda v, _: ElasticFSDPStrategy(tensor_parallel_size=v),
     "data_parallel_size": lambda v, _: ElasticFSDPStrategy(data_parallel_size=v),
@@ -176,6 +180,8 @@ NUMERIC_OPTIONS: dict[str, Callable[[Any, Path], object]] = {
 # in the message: what each option is called there
 _CALLED = {
     "engine timeout": "timeout",
+    "strategy timeout": "timeout",
+    "fsdp timeout": "timeout",
     "engine replicas": "replicas",
     "KeepLastN": "keep_last_n",
     "KeepEveryNSteps": "keep_every_n_steps",
@@ -222,9 +228,9 @@ def test_every_numeric_option_refuses_values_it_cannot_represent(
 
 def test_the_value_of_a_duration_string_is_named_as_written() -> None:
     with pytest.raises(ConfigError, match=r"mtbf must be a duration .* got '1e400h' \(str\)"):
-        DistributedCheckpoint(train_time_interval="auto", mtbf="1e400h")
+        CadenceOptions(mtbf="1e400h")
     with pytest.raises(ConfigError, match=r"min_interval .* \(at most a year\), got '400d'"):
-        DistributedCheckpoint(train_time_interval="continuous", min_interval="400d")
+        CadenceOptions(min_interval="400d")
 
 
 def test_numbers_at_the_edges_of_their_ranges() -> None:
@@ -242,7 +248,109 @@ def test_numbers_at_the_edges_of_their_ranges() -> None:
         check_number(1, "f", low=0, high=1, low_open=True, high_open=True)
     # a node's MTBF may exceed a year (the job's is over the nodes): up to a century
     assert AutoCadence(mtbf_s="5000d", nodes=1).mtbf_s == 5000 * 86400.0
-    assert DistributedCheckpoint(timeout=timedelta(days=365)).timeout == timedelta(days=365)
+    year = timedelta(days=365)
+    assert ElasticStrategy(checkpoint_timeout=year).checkpoint_timeout == year
+
+
+def test_numbers_of_any_numeric_type_are_kept_as_plain_ints_and_floats() -> None:
+    """Numpy scalars, Fraction and Decimal are numbers like any other (a Decimal used to be
+    refused as not "a fraction in (0, 1)", a message that made 0.5 look out of range), and
+    what an option keeps is a plain int or float: a Decimal kept by RetryPolicy would not
+    add to a float, and a numpy int kept by the sampler went into the data position."""
+    policy = RetryPolicy(
+        deadline_s=Decimal("2.5"),
+        max_attempts=np.int64(3),
+        initial_backoff_s=Fraction(1, 20),
+        max_backoff_s=np.float32(0.5),
+        multiplier=Decimal(2),
+    )
+    kept = (
+        policy.deadline_s,
+        policy.max_attempts,
+        policy.initial_backoff_s,
+        policy.max_backoff_s,
+        policy.multiplier,
+    )
+    assert kept == (2.5, 3, 0.05, 0.5, 2.0)
+    assert [type(v) for v in kept] == [float, int, float, float, float]
+    for policy_n in (KeepLastN(np.int64(2)).n, KeepEveryNSteps(np.int64(2)).n):
+        assert type(policy_n) is int
+    assert type(KeepBestK(np.int64(2), "loss").k) is int
+    assert type(EveryNSteps(np.int64(5)).n) is int and type(EveryNEpochs(np.uint8(5)).n) is int
+    sampler = ElasticSampler(range(8), num_replicas=np.int64(2), rank=np.int64(1))
+    position = sampler.position(1)
+    assert type(position.world_size) is int and type(position.consumed) is int
+    assert type(ElasticStrategy(global_batch_size=np.int64(8)).global_batch_size) is int
+    auto = DistributedCheckpoint(
+        train_time_interval="auto", cadence=CadenceOptions(max_overhead=Decimal("0.05"))
+    )
+    assert auto._schedule.cadence.auto == {"mtbf_s": None, "max_overhead": 0.05}
+    assert check_seconds(Decimal("1.5"), "t") == 1.5
+    for refused in (Decimal("NaN"), Decimal("sNaN"), Decimal("1e400"), Decimal("-1")):
+        with pytest.raises(ConfigError, match=r"t must be a duration .* got Decimal"):
+            check_seconds(refused, "t")
+    with pytest.raises(ConfigError, match=r"n must be an integer in \[1, 2\*\*62\], got Decimal"):
+        check_count(Decimal(3), "n")  # as 3.0 is: a count is an int
+
+
+def test_negative_zero_is_kept_as_zero() -> None:
+    for seconds in (
+        check_seconds(-0.0, "t", zero=True),
+        check_seconds(Decimal("-0"), "t", zero=True),
+    ):
+        assert seconds == 0.0 and math.copysign(1.0, seconds) == 1.0
+    with pytest.raises(ConfigError, match=r"t must be a duration .* got -0.0"):
+        check_seconds(-0.0, "t")  # no zero allowed: -0.0 is none either
+
+
+def test_the_process_group_timeout_is_a_duration_like_the_others() -> None:
+    """It went to Lightning unchecked: True, "10", 10**400 or a timedelta of a million days
+    were accepted and failed (or overflowed) only when the process group was created."""
+    # Lightning's DDPStrategy and ModelParallelStrategy keep it as _timeout
+    assert ElasticStrategy(timeout=600)._timeout == timedelta(minutes=10)
+    assert ElasticFSDPStrategy(timeout=timedelta(hours=1))._timeout == timedelta(hours=1)
+    assert ElasticStrategy(timeout=None)._timeout is None
+    with pytest.raises(ConfigError, match=r"timeout must be a duration .* \(at most a year\)"):
+        ElasticStrategy(timeout=timedelta(days=10**6))
+
+
+def test_yaml_values_reach_the_options_as_lightning_cli_hands_them_over() -> None:
+    """LightningCLI parses the config with jsonargparse: quoted numbers, YAML 1.1's "1e3" (a
+    string there) and durations like "30m" must mean what they say, and an absurd value must
+    still be refused by the option, naming it and its range."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(DistributedCheckpoint, "checkpoint")
+    parser.add_class_arguments(ElasticStrategy, "strategy")
+    config = parser.parse_string(
+        """
+checkpoint:
+  keep_last_n: "10"
+  every_n_train_steps: 1_000
+  train_time_interval: 30m
+strategy:
+  timeout: 600
+  checkpoint_timeout: "1e3"
+  global_batch_size: "64"
+"""
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # < 4.49
+    init = instantiate(config)
+    callback, strategy = init.checkpoint, init.strategy
+    assert callback.retention == (KeepLastN(10),)
+    assert callback._schedule.step_trigger == EveryNSteps(1000)
+    assert callback._schedule.cadence.interval.seconds == 1800.0
+    assert strategy.checkpoint_timeout == 1000.0  # a number, not the string YAML gave
+    assert strategy._timeout == timedelta(minutes=10)
+    assert strategy.global_batch_size == 64
+    for option, value in (
+        ("checkpoint.keep_last_n", "0"),
+        ("strategy.checkpoint_timeout", "1e400"),
+        ("checkpoint.train_time_interval", "400d"),
+    ):
+        group, option = option.split(".")
+        bad = parser.parse_string(f"{group}:\n  {option}: {value}\n")
+        with pytest.raises(ConfigError, match=rf"{option} must be .* (in|>=) "):
+            instantiate(bad)
 
 
 # ----------------------------------------------------------------------------- node ids
@@ -271,7 +379,7 @@ def test_node_ids_that_are_path_components_or_hold_controls_are_refused(node: An
         check_node_id(node)
     assert str(info.value).isascii()  # the message shows the id escaped: it cannot lie either
     with pytest.raises(ConfigError):
-        DistributedCheckpoint(local_dirpath="/dev/shm/x", node=node)
+        TierOptions("/dev/shm/x", node=node)
 
 
 @pytest.mark.parametrize(

@@ -52,9 +52,9 @@ class Recording(SingleRoot):
         self.calls.append("newest")
         return super().newest(filters, verify)
 
-    def take_over(self) -> None:
+    def take_over(self, *, renew: bool = False) -> None:
         self.calls.append("take_over")
-        super().take_over()
+        super().take_over(renew=renew)
 
     def persist_latest(self) -> bool:
         self.calls.append("persist_latest")

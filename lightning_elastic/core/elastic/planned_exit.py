@@ -15,7 +15,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PLANNED_EXIT_ENV", "read_planned_exit", "record_planned_exit"]
+__all__ = [
+    "PLANNED_EXIT_ENV",
+    "WORKER_GENERATION_ENV",
+    "read_planned_exit",
+    "record_planned_exit",
+]
+
+# what `lightning-elastic run` tells its workers: the rendezvous round they were started in
+# (the agent's store outlives them; process-group keys go under it)
+WORKER_GENERATION_ENV = "LIGHTNING_ELASTIC_WORKER_GENERATION"
 
 PLANNED_EXIT_ENV = "LIGHTNING_ELASTIC_PLANNED_EXIT_DIR"
 

@@ -17,6 +17,11 @@ Every rank gets the same number of batches (collectives stay matched): when the 
 divide evenly, the segment is padded by repeating the epoch's first samples, only as many as
 needed (as :mod:`~lightning_elastic.core.elastic.data_position` does for map-style data), or,
 with ``drop_last``, cut to a multiple of the world size.
+
+:class:`ShardReading` puts these together for one world reading one dataset: the segment of
+an epoch, the position after some batches (what a checkpoint stores) and, from a stored
+position, the new start of this world. ``ElasticShardedIterable`` (Lightning) is a dataset
+around it; nothing here needs Lightning or a DataLoader.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from functools import cached_property
 
 import torch
 
+from lightning_elastic.core.elastic.data_position import DataPosition
+
 __all__ = [
     "Piece",
     "Segment",
+    "ShardReading",
     "consumed_batches",
     "deal",
     "epoch_pieces",
@@ -197,3 +205,87 @@ def remaining(segment: Segment, done: int) -> list[Piece]:
         for worker, skip in enumerate(used)
         for piece in segment.worker_pieces(rank, worker, skip)
     ]
+
+
+@dataclass(frozen=True)
+class ShardReading:
+    """How one world reads one sharded dataset: the samples of each shard (``counts``), the
+    order of the shards (``seed``, ``shuffle``), ``drop_last`` (cut instead of pad), and the
+    readers: ``world`` ranks, ``workers`` DataLoader workers each, ``batch_size`` samples per
+    batch, ``drop_last_batch`` (the DataLoader's ``drop_last``).
+
+    A position's ``shards`` field holds what a resume needs to find the samples no rank has
+    read: the pieces of the segment the epoch (re)started with (``None``: the whole epoch),
+    the readers' shape and the loop's counter at that (re)start."""
+
+    counts: tuple[int, ...]
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    world: int
+    workers: int
+    batch_size: int
+    drop_last_batch: bool
+
+    def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """The whole of ``epoch``, in its order."""
+        return epoch_pieces(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+
+    def segment(self, epoch: int, start: DataPosition | None = None) -> Segment:
+        """What this world reads of ``epoch``: from ``start`` (the position it (re)started
+        at, when it holds pieces), else from the epoch's beginning."""
+        shards = None if start is None else start.shards
+        if shards is not None and shards.get("pieces") is not None:
+            pieces: tuple[Piece, ...] = tuple(tuple(p) for p in shards["pieces"])
+        else:
+            pieces = tuple(self.epoch_pieces(epoch))
+        return Segment(
+            pieces, self.world, self.workers, self.batch_size, self.drop_last_batch, self.drop_last
+        )
+
+    def position(self, start: DataPosition, epoch: int, batches_done: int) -> DataPosition:
+        """The position after ``batches_done`` per-rank batches of ``epoch`` (the loop's
+        counter), which (re)started at ``start``."""
+        done = max(0, batches_done - start.batches)
+        pieces = None if start.shards is None else start.shards.get("pieces")
+        return DataPosition(
+            epoch=epoch,
+            consumed=done * self.batch_size,
+            world_size=self.world,
+            batches=batches_done,
+            padded=False,
+            shards={
+                "pieces": pieces,
+                "workers": self.workers,
+                "batch_size": self.batch_size,
+                "drop_last_batch": self.drop_last_batch,
+                "start_batches": start.batches,
+            },
+        )
+
+    def resume(self, position: DataPosition) -> DataPosition:
+        """A stored mid-epoch ``position`` (with ``shards``, possibly of another world): the
+        samples no rank had read, as this world's new start (the loop keeps counting from the
+        checkpoint's counter)."""
+        shards = position.shards
+        assert shards is not None
+        pieces = shards.get("pieces")
+        saved = Segment(
+            tuple(tuple(p) for p in pieces)
+            if pieces is not None
+            else tuple(self.epoch_pieces(position.epoch)),
+            position.world_size,
+            int(shards["workers"]),
+            int(shards["batch_size"]),
+            bool(shards["drop_last_batch"]),
+            self.drop_last,
+        )
+        left = remaining(saved, position.batches - int(shards["start_batches"]))
+        return DataPosition(
+            epoch=position.epoch,
+            consumed=max(1, position.consumed),
+            world_size=self.world,
+            batches=position.batches,
+            padded=False,
+            shards={"pieces": [list(p) for p in left]},
+        )

@@ -183,7 +183,8 @@ class Catalog:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._manifests: dict[str, tuple[int, Manifest]] = {}  # name -> (its size, manifest)
+        # name -> (the manifest's size, the manifest, the sizes of the files it lists)
+        self._manifests: dict[str, tuple[int, Manifest, dict[str, int]]] = {}
 
     def scan(self) -> list[CheckpointInfo]:
         """Every checkpoint-like directory (symbolic links and hidden folders are not), oldest
@@ -294,20 +295,32 @@ class Catalog:
             # A copied or renamed directory is fine; note it but keep using the data.
             log.debug("checkpoint %s was saved as %s", name, manifest.name)
         if manifest.files:
-            self._manifests[name] = (len(raw), manifest)
+            sizes = {f.path: f.size for f in manifest.files}
+            self._manifests[name] = (len(raw), manifest, sizes)
         return manifest
 
     def _cached(self, name: str, files: dict[str, Entry]) -> Manifest | None:
         """The cached manifest of ``name`` when it is the one the directory holds now: the
-        listed manifest has the size it had when read, and every file it records is there at
-        its recorded size. Those files are named after the save (``<save id>-...``), so a
-        checkpoint committed under the same name by another save never passes."""
-        size, cached = self._manifests.get(name, (-1, None))
+        listed manifest has the size it had when read, files it records are there at their
+        recorded sizes, and no other save's file is. Those files are named after the save
+        (``<save id>-...``), and a save claims a directory only when no other save's file is
+        in it, so a checkpoint committed under the same name by another save never passes.
+
+        Some of the files may be missing: a node-local root (multi-tier) holds only its
+        ranks' shards of each checkpoint; one file of the save is enough to tell it (with
+        none, the manifest is read again: 0.45 ms each, 100 per scan of 100 checkpoints)."""
+        size, cached, sizes = self._manifests.get(name, (-1, None, {}))
         if cached is None:
             return None
-        if files[MANIFEST_FILE].size == size and all(
-            (entry := files.get(f.path)) is not None and entry.size == f.size for f in cached.files
-        ):
+        own, held = f"{cached.save_id}-", 0
+        fits = files[MANIFEST_FILE].size == size
+        for file, entry in files.items():  # one pass: a listing is a few names
+            recorded = sizes.get(file)
+            if recorded is not None:
+                fits, held = fits and entry.size == recorded, held + 1
+            elif is_save_file(file) and not file.startswith(own):
+                fits = False  # another save's file
+        if fits and held:
             return cached
         self._manifests.pop(name, None)
         return None

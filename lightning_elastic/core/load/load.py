@@ -52,7 +52,7 @@ from lightning_elastic.core.save.replicated import (
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
     CheckpointLoadError,
-    IntegrityError,
+    CorruptWhileLoading,  # re-exported: it lived here
     ManifestError,
     Phase,
     RankFailure,
@@ -92,19 +92,6 @@ class LoadResult:
     bytes_read: int
     state: dict[str, Any] | None = None  # the loaded state (the caller's dict, or a new one)
     per_rank: tuple[Path, ...] = ()  # entries saved per rank (they differed between ranks)
-
-
-class CorruptWhileLoading(IntegrityError):
-    """A fused load found shard files that do not match the manifest; raised on every rank
-    (the caller quarantines the checkpoint and tries the one before)."""
-
-    def __init__(self, checkpoint: str, problems: Sequence[Problem]) -> None:
-        self.problems = tuple(sorted(problems, key=lambda p: p.file))
-        first = self.problems[0]
-        super().__init__(checkpoint, first.file, first.reason)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.checkpoint, self.problems))
 
 
 def load_checkpoint(

@@ -29,11 +29,13 @@ import io
 import logging
 import pickle
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from lightning_elastic.errors import UnsafeObjectError  # re-exported: it lived here
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -45,29 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class UnsafeObjectError(Exception):
-    """One object of a checkpoint cannot be loaded without running code from storage.
-
-    ``types`` names the globals outside the allowlist (empty when torch's unpickler refused
-    something else, ``reason`` says what). Raised inside DCP's read and gathered from every rank;
-    :func:`lightning_elastic.core.load.load.load_checkpoint` turns it into
-    :class:`UnsafeCheckpointError`.
-    """
-
-    def __init__(self, fqn: str, types: Sequence[str] = (), reason: str = "") -> None:
-        self.fqn = fqn
-        self.types = tuple(types)
-        self.reason = reason
-        if self.types:
-            what = f"references {', '.join(self.types)}, not on the safe-loading allowlist"
-        else:
-            what = f"cannot be unpickled safely: {reason}"
-        super().__init__(f"object {fqn!r} {what}")
-
-    def __reduce__(self) -> tuple[object, ...]:  # travels between ranks inside DCP's errors
-        return (type(self), (self.fqn, self.types, self.reason))
 
 
 # ----------------------------------------------------------------------------- allowlist

@@ -20,6 +20,11 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.load.walk import Filters, LoadRequest, Retry, Selected
+from lightning_elastic.core.options import (
+    DEFAULT_LOCAL_KEEP,
+    DEFAULT_PERSIST_EVERY_N_SAVES,
+    DEFAULT_REPLICAS,
+)
 from lightning_elastic.core.placement.base import lease_target, save_target
 from lightning_elastic.core.policy.retention import KeepLastN
 from lightning_elastic.core.save.request import PlannedSave, RunState, SaveConfig, SaveResult
@@ -35,7 +40,8 @@ __all__ = ["Tiered"]
 class Tiered:
     """The :class:`~lightning_elastic.core.placement.base.Placement` of an engine with a
     node-local root. ``root``: the persistent root (``config.retention`` applies there);
-    saves commit in ``local_root``, keeping ``local_keep`` checkpoints (default 2)."""
+    saves commit in ``local_root``, keeping ``local_keep`` checkpoints (default
+    :data:`~lightning_elastic.core.options.DEFAULT_LOCAL_KEEP`)."""
 
     multi_tier = True
 
@@ -55,7 +61,7 @@ class Tiered:
         local = Storage(local_root)
         local_config = dataclasses.replace(
             config,
-            retention=(KeepLastN(2 if local_keep is None else local_keep),),
+            retention=(KeepLastN(DEFAULT_LOCAL_KEEP if local_keep is None else local_keep),),
             small_replicated_to_lowest=True,
         )
         self.target = save_target(local, Catalog(local), coordinator, local_config)
@@ -63,8 +69,12 @@ class Tiered:
             self.target,
             run,
             persistent=root,
-            persist_every_n_saves=1 if persist_every_n_saves is None else persist_every_n_saves,
-            replicas=1 if replicas is None else replicas,
+            persist_every_n_saves=(
+                DEFAULT_PERSIST_EVERY_N_SAVES
+                if persist_every_n_saves is None
+                else persist_every_n_saves
+            ),
+            replicas=DEFAULT_REPLICAS if replicas is None else replicas,
             retention=config.retention,
             node=node,
         )

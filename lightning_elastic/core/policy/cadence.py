@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from statistics import median
 
 from lightning_elastic.core.options import MAX_SECONDS, check_count, check_number, check_seconds
@@ -35,6 +36,7 @@ __all__ = [
     "AutoCadence",
     "Cadence",
     "CadenceChoice",
+    "CadenceOptions",
     "Continuous",
     "check_overhead",
     "mtbf_from_history",
@@ -51,10 +53,13 @@ _UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_MTBF_S = 100 * 365 * 24 * 3600.0
 
 
-def parse_duration(value: object, what: str, *, maximum: float = MAX_SECONDS) -> float:
+def parse_duration(
+    value: object, what: str, *, maximum: float = MAX_SECONDS, modes: Sequence[str] = ()
+) -> float:
     """Seconds from a number, a ``timedelta`` or a string such as ``"4h"``, ``"90m"``,
-    ``"1.5d"``, ``"30s"``; :class:`ConfigError` when it is none of these or not in
-    :func:`~lightning_elastic.core.options.check_seconds`'s range (up to ``maximum``)."""
+    ``"1.5d"``, ``"30s"``, ``"600"``; :class:`ConfigError` when it is none of these or not in
+    :func:`~lightning_elastic.core.options.check_seconds`'s range (up to ``maximum``).
+    ``modes``: the other words the option takes (named in the message)."""
     given = value
     if isinstance(value, str):
         text = value.strip().lower()
@@ -66,9 +71,10 @@ def parse_duration(value: object, what: str, *, maximum: float = MAX_SECONDS) ->
         try:
             value = float(text) * scale
         except ValueError:
+            forms = ["a duration like '4h', '90m', '30s'", "a number of seconds"]
+            forms += [f'"{m}"' for m in modes]
             raise ConfigError(
-                f"{what} must be a duration like '4h', '90m', '30s' or a number of seconds, "
-                f"got {value!r}"
+                f"{what} must be {', '.join(forms[:-1])} or {forms[-1]}, got {value!r}"
             ) from None
     return check_seconds(value, what, maximum=maximum, given=given)
 
@@ -170,6 +176,9 @@ class AutoCadence:
         # the Young-Daly optimum unless a bound is larger: the largest candidate wins, and a
         # tie goes to young_daly (listed last, max keeps the first: reverse the order)
         bound, interval = max(reversed(candidates), key=lambda c: c[1])
+        # a max_overhead near 0 (5e-324 is a fraction in (0, 1)) makes the overhead bound
+        # infinite: no time trigger is meant to wait more than a year
+        interval = min(interval, MAX_SECONDS)
         self.choice = CadenceChoice(interval, cost, write, mtbf, bound)
         return self.choice
 
@@ -201,6 +210,36 @@ class Continuous:
         self.last = self.clock()
 
 
+@dataclass(frozen=True)
+class CadenceOptions:
+    """How an adaptive (``train_time_interval="auto"``) or continuous
+    (``train_time_interval="continuous"``) time trigger chooses when to save (docs/cadence.md).
+    Each option belongs to one mode; giving it with the other is a ``ConfigError``.
+
+    Args:
+        mtbf: with ``"auto"``: one node's mean time between failures (``"4h"``, ``"90m"``,
+            seconds or a ``timedelta``, up to a century); the job's is this over the number of
+            nodes. Default: measured from the run's restart history in ``dirpath`` (until a
+            first failure, saves are only bounded by ``max_overhead``).
+        max_overhead: with ``"auto"``: the largest fraction of training time saves may cost
+            (default 0.01).
+        min_interval: with ``"continuous"``: the least time between two saves, and from the
+            start to the first (default 60 s; seconds, a ``timedelta`` or ``"5m"``).
+    """
+
+    mtbf: timedelta | float | str | None = None
+    max_overhead: float | None = None
+    min_interval: timedelta | float | str | None = None
+
+    def __post_init__(self) -> None:  # checked here, converted by Cadence.of
+        if self.mtbf is not None:
+            parse_duration(self.mtbf, "mtbf", maximum=MAX_MTBF_S)
+        if self.max_overhead is not None:
+            check_overhead(self.max_overhead)
+        if self.min_interval is not None:
+            parse_duration(self.min_interval, "min_interval")
+
+
 @dataclass
 class Cadence:
     """The time trigger ``train_time_interval`` asks for: a fixed interval, an adaptive one
@@ -215,42 +254,35 @@ class Cadence:
     AUTO_INITIAL_S = 60.0
 
     @classmethod
-    def of(
-        cls,
-        value: object,
-        *,
-        mtbf: object = None,
-        max_overhead: float | None = None,
-        min_interval: object = None,
-    ) -> Cadence:
-        """Check ``train_time_interval`` and its companion options (each only with its mode;
-        ``max_overhead`` defaults to 0.01)."""
-        if value != "auto" and mtbf is not None:
+    def of(cls, value: object, options: CadenceOptions | None = None) -> Cadence:
+        """Check ``train_time_interval`` with its :class:`CadenceOptions` (each option only
+        with its mode; ``max_overhead`` defaults to 0.01)."""
+        if options is not None and not isinstance(options, CadenceOptions):
+            raise ConfigError(f"cadence must be a CadenceOptions, got {options!r}")
+        given = options or CadenceOptions()
+        if value != "auto" and given.mtbf is not None:
             raise ConfigError('mtbf is used only with train_time_interval="auto"')
-        if value != "auto" and max_overhead is not None:
+        if value != "auto" and given.max_overhead is not None:
             raise ConfigError('max_overhead is used only with train_time_interval="auto"')
-        if max_overhead is None:
-            max_overhead = 0.01
-        if value != "continuous" and min_interval is not None:
+        if value != "continuous" and given.min_interval is not None:
             raise ConfigError('min_interval is used only with train_time_interval="continuous"')
         if value is None:
             return cls()
         if value == "auto":
-            overhead = check_overhead(max_overhead)
+            overhead = 0.01 if given.max_overhead is None else check_overhead(given.max_overhead)
+            mtbf = given.mtbf
             mtbf_s = None if mtbf is None else parse_duration(mtbf, "mtbf", maximum=MAX_MTBF_S)
             return cls(
                 interval=EveryInterval(cls.AUTO_INITIAL_S),
                 auto={"mtbf_s": mtbf_s, "max_overhead": overhead},
             )
         if value == "continuous":
-            seconds = 60.0 if min_interval is None else parse_duration(min_interval, "min_interval")
+            minimum = given.min_interval
+            seconds = 60.0 if minimum is None else parse_duration(minimum, "min_interval")
             return cls(continuous=Continuous(seconds))
-        if isinstance(value, str):
-            raise ConfigError(
-                'train_time_interval must be a timedelta, a number of seconds, "auto" or '
-                f'"continuous", got {value!r}'
-            )
-        return cls(interval=EveryInterval(check_seconds(value, "train_time_interval")))
+        # "30m" as for mtbf and min_interval; "600" and "1e3" as YAML may hand them over
+        seconds = parse_duration(value, "train_time_interval", modes=("auto", "continuous"))
+        return cls(interval=EveryInterval(seconds))
 
     def build_auto(self, *, nodes: int, history_mtbf_s: float | None) -> AutoCadence | None:
         """The adaptive cadence for a job on ``nodes`` nodes (``None`` unless ``"auto"``)."""

@@ -62,31 +62,52 @@ DEFAULT_GRACE_S = 3600.0
 
 
 def delete_checkpoint(
-    storage: Storage, catalog: Catalog, name: str, *, listed: Collection[str] = ()
+    storage: Storage,
+    catalog: Catalog,
+    name: str,
+    *,
+    listed: Collection[str] = (),
+    save_id: str | None = None,
 ) -> None:
     """Manifest first (the checkpoint stops existing), then the data. ``listed``: the files
     its manifest listed (complete when committed, so nobody writes them): retired, which
     lets a local root reuse them (:meth:`Storage.retire`); any other file is deleted.
 
+    ``save_id``: the commit the caller chose to delete, as its scan saw it. A name is not a
+    checkpoint's identity: between that scan and this call, someone else (a ``prune``, the
+    run's own retention in another process) may have deleted it and another run may have
+    claimed the freed name, written there or even committed. A directory holding another
+    save's files is that save's by now: of it, only ``save_id``'s own files are deleted (its
+    manifest, its claim and anything else are left alone). Without ``save_id``, the commit
+    the directory holds now is deleted.
+
     Once the manifest is gone the name is free, and another run sharing the root may claim
     it while the data is still being deleted (its claim succeeds once the old files are
-    gone). What is deleted is therefore what the directory held *before* the manifest went,
-    less another save's claim and a record still being written (its temporary file); the
-    directory itself only when nothing else is left in it."""
+    gone). What is deleted is therefore what the directory held *before* the manifest went
+    (the manifest itself only if it was there then), less another save's claim and a record
+    still being written (its temporary file); the directory itself only when nothing else is
+    left in it."""
     held = storage.listdir(name)
-    storage.delete(f"{name}/{MANIFEST_FILE}")
+    saves = {e.name.split("-", 1)[0] for e in held if is_save_file(e.name)}
+    doomed = saves if save_id is None else {save_id}
     catalog.forget(name)
+    if saves - doomed:  # another save's directory now: leave everything of it
+        for entry in held:
+            if is_save_file(entry.name) and entry.name.split("-", 1)[0] in doomed:
+                storage.delete(f"{name}/{entry.name}")
+        return
+    if any(e.name == MANIFEST_FILE for e in held):
+        storage.delete(f"{name}/{MANIFEST_FILE}")
     for path in listed:
         storage.retire(f"{name}/{path}")
     retired = {*listed, MANIFEST_FILE}
-    saves = {e.name.split("-", 1)[0] for e in held if is_save_file(e.name)}  # the doomed save's
     for entry in held:
         rel = f"{name}/{entry.name}"
         if entry.name in retired or _in_flight_record(entry.name):
             continue
         if entry.name == STAGING_FILE:
             claim = _claim_of(storage, name)
-            if claim is not None and claim.save_id not in saves:
+            if claim is not None and claim.save_id not in doomed:
                 continue  # another save claimed the freed name: its directory now
         if entry.is_dir:
             storage.delete_tree(rel)
@@ -157,8 +178,10 @@ def apply_retention(
     doomed = plan_deletions(catalog.scan(), retention, run_id=run_id, protected=protected)
     for info in doomed:
         log.info("retention: deleting %s (step %s)", info.location, info.step)
-        listed = [f.path for f in info.manifest.files] if info.manifest is not None else []
-        delete_checkpoint(storage, catalog, info.name, listed=listed)
+        manifest = info.manifest
+        listed = [f.path for f in manifest.files] if manifest is not None else []
+        save_id = manifest.save_id if manifest is not None else None
+        delete_checkpoint(storage, catalog, info.name, listed=listed, save_id=save_id)
 
 
 def collect_garbage(

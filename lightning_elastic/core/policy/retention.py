@@ -48,7 +48,7 @@ class KeepLastN:
     n: int
 
     def __post_init__(self) -> None:
-        check_count(self.n, "keep_last_n")
+        object.__setattr__(self, "n", check_count(self.n, "keep_last_n"))
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
         """The names of the ``n`` newest (last) of ``checkpoints``."""
@@ -62,7 +62,7 @@ class KeepEveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        check_count(self.n, "keep_every_n_steps")
+        object.__setattr__(self, "n", check_count(self.n, "keep_every_n_steps"))
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
         """The names of the checkpoints whose step is a multiple of ``n``."""
@@ -81,7 +81,7 @@ class KeepBestK:
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        check_count(self.k, "keep_best_k")
+        object.__setattr__(self, "k", check_count(self.k, "keep_best_k"))
         check_choice(self.mode, "mode", ("min", "max"))
         if not self.monitor:
             raise ConfigError("keep_best_k needs the name of a metric to monitor")

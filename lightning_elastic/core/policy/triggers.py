@@ -37,7 +37,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        check_count(self.n, "every_n_train_steps")
+        object.__setattr__(self, "n", check_count(self.n, "every_n_train_steps"))
 
     def due(self, step: int) -> bool:
         """Whether a save is due at global step ``step``."""
@@ -51,7 +51,7 @@ class EveryNEpochs:
     n: int
 
     def __post_init__(self) -> None:
-        check_count(self.n, "every_n_epochs")
+        object.__setattr__(self, "n", check_count(self.n, "every_n_epochs"))
 
     def due(self, epoch: int) -> bool:
         """Whether a save is due at the end of ``epoch``."""

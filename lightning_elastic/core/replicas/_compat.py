@@ -29,10 +29,12 @@ from lightning_elastic.errors import ConfigError
 __all__ = [
     "REQUIREMENTS",
     "TESTED_VERSION",
+    "allreduce_sum",
     "lighthouse_server",
     "make_manager",
     "make_process_group",
     "missing",
+    "probe_lighthouse",
     "quorum_id",
     "require",
     "transport_base",
@@ -53,8 +55,10 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("torchft.manager", "Manager.current_step"),
     ("torchft.manager", "Manager.errored"),
     ("torchft.manager", "Manager.shutdown"),
-    # (and the instance attribute Manager._quorum_id: it names quorum changes in our metrics)
+    # (and the instance attributes Manager._quorum_id, which names quorum changes in our
+    # metrics, and Manager._executor, replaced by a daemon thread: see make_manager)
     ("torchft.process_group", "ProcessGroupGloo.configure"),
+    ("torchft.process_group", "ProcessGroupGloo.allreduce"),
     ("torchft.coordination", "LighthouseServer"),
     ("torchft.checkpointing.transport", "CheckpointTransport"),
 )
@@ -108,6 +112,35 @@ def lighthouse_server(
     )
 
 
+def probe_lighthouse(address: str, timeout: float) -> str | None:
+    """Whether torchft's Lighthouse answers at ``address`` within ``timeout`` seconds: ``None``
+    when it does, else what answered instead or why nothing did. Its status page is served
+    on the same port as its RPCs (the dashboard's title names it); a refused connection is
+    tried again until the timeout, since a Lighthouse started with the job may still be
+    starting."""
+    import urllib.error
+
+    from lightning_elastic.core.replicas.transport import direct_opener
+
+    deadline = time.monotonic() + timeout
+    problem = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return problem
+        try:
+            with direct_opener().open(address, timeout=max(0.1, left)) as page:
+                head = page.read(8192)
+            if b"Lighthouse" in head:
+                return None
+            return f"something answered that is not a torchft Lighthouse ({head[:80]!r})"
+        except urllib.error.HTTPError as exc:
+            return f"something answered that is not a torchft Lighthouse (HTTP {exc.code})"
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            problem = str(getattr(exc, "reason", exc))  # refused, unknown host, timed out
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
 def make_process_group(timeout: timedelta, on_configure: Callable[[float], None]) -> Any:
     """torchft's reconfigurable gloo process group (one per group rank: rank ``r`` of every
     replica group), calling ``on_configure(seconds)`` after each rebuild."""
@@ -120,6 +153,18 @@ def make_process_group(timeout: timedelta, on_configure: Callable[[float], None]
             on_configure(time.perf_counter() - began)
 
     return _TimedGloo(timeout=timeout)
+
+
+def allreduce_sum(process_group: Any, tensor: Any) -> Any:
+    """Sum ``tensor`` over ``process_group`` (made by :func:`make_process_group`) directly,
+    not through the Manager (which skips collectives once it has seen an error): a group
+    whose heal failed still takes its part in the step's ring, so the others do not wait
+    for it. Returns the work (``wait()`` it)."""
+    from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+    options = AllreduceOptions()
+    options.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+    return process_group.allreduce([tensor], options)
 
 
 def transport_base() -> type:
@@ -175,7 +220,47 @@ def make_manager(
         quorum_retries=max(1, int(quorum_timeout.total_seconds())),
     )
     manager.register_state_dict_fn(key, put_state, get_state)
+    # its quorum thread in a daemon thread: the Manager's ThreadPoolExecutor thread is joined
+    # at interpreter exit, and a quorum that waits (for the Lighthouse, for more groups) held
+    # a Ctrl-C'd or failed process for the whole quorum timeout (60 s of 60, measured)
+    manager._executor.shutdown(wait=False)
+    manager._executor = _DaemonExecutor("torchft-quorum")
     return manager
+
+
+class _DaemonExecutor:
+    """What torchft's Manager needs of its executor (``submit``, ``shutdown``): one daemon
+    thread running the submitted calls in order."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+        import threading
+
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        from concurrent.futures import Future
+
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, **_: Any) -> None:
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
 
 
 def quorum_id(manager: Any) -> int:

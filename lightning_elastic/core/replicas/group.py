@@ -126,10 +126,12 @@ class StepView:
 
     @property
     def slots(self) -> int:
+        """Data slots this step: one per process of every participating group."""
         return self.participants * self.group_size
 
     @property
     def slot(self) -> int | None:
+        """This process's data slot this step (None when its group does not participate)."""
         if self.participant is None:
             return None
         return self.participant * self.group_size + self.group_rank
@@ -139,13 +141,15 @@ class StepView:
 class Reduced:
     """A step's reduction: the gradient sum divided by the samples that contributed, the
     slots that contributed, the number of contributing samples, whether this group asked to
-    leave (any of its processes) and how many groups did."""
+    leave (any of its processes) and how many groups did, and per gradient whether any
+    contributing process's backward pass produced it."""
 
     flats: list[torch.Tensor]
     contributed: list[bool]
     samples: float
     leaving: bool = False
     groups_leaving: int = 0
+    used: list[bool] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -194,21 +198,52 @@ class ReplicaGroup:
         self.last_configure_s = 0.0
         self._last_participants = -1
         timeout = timedelta(seconds=options.step_timeout)
-        self.transport = LiveStateTransport(
-            timeout=timedelta(seconds=options.quorum_timeout), trusted=options.trusted
+        self.transport = LiveStateTransport(timeout=timeout, trusted=options.trusted)
+        self._pg = ft.make_process_group(timeout, self._configured)
+        lighthouse = options.resolved_lighthouse()
+        if group_rank == 0:  # the process that talks to the Lighthouse
+            self._check_lighthouse(lighthouse)
+        try:
+            self.manager = self._make_manager(lighthouse, store_addr, store_port, timeout)
+        except Exception as exc:
+            self.transport.shutdown(wait=False)
+            raise ReplicaGroupError(
+                f"replica group {self.name!r}: torchft's Manager did not start (the "
+                f"Lighthouse at {lighthouse}, the group's store at {store_addr}:{store_port}): "
+                f"{exc}"
+            ) from exc
+
+    def _check_lighthouse(self, address: str) -> None:
+        """A clear error within the connect timeout when no Lighthouse answers at ``address``
+        (torchft's own waits for the whole quorum timeout when something else answers, or
+        nothing does)."""
+        problem = ft.probe_lighthouse(address, self.options.connect_timeout)
+        if problem is None:
+            return
+        self.transport.shutdown(wait=False)
+        raise ReplicaGroupError(
+            f"replica group {self.name!r}: no Lighthouse answered at {address} within "
+            f"{self.options.connect_timeout:g} s ({problem}); check the address "
+            f"(ElasticFTStrategy(lighthouse=...) or ${LIGHTHOUSE_ENV}) and that "
+            "`lightning-elastic lighthouse` runs there"
         )
-        self.manager = ft.make_manager(
-            process_group=ft.make_process_group(timeout, self._configured),
+
+    def _make_manager(
+        self, lighthouse: str, store_addr: str, store_port: int, timeout: timedelta
+    ) -> Any:
+        options = self.options
+        return ft.make_manager(
+            process_group=self._pg,
             transport=self.transport,
             key=_STATE_KEY,
             get_state=self._give,
             put_state=self._take,
             min_groups=options.min_groups,
-            group_rank=group_rank,
-            group_size=group_size,
+            group_rank=self.group_rank,
+            group_size=self.group_size,
             store_addr=store_addr,
             store_port=store_port,
-            lighthouse=options.resolved_lighthouse(),
+            lighthouse=lighthouse,
             name=self.name,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout),
@@ -228,6 +263,15 @@ class ReplicaGroup:
         began = time.perf_counter()
         try:
             self.manager.start_quorum(allow_heal=True)
+        except _ApplyError as exc:  # the peer's state reached us but does not fit this group
+            cause = exc.__cause__
+            if isinstance(cause, ConfigError):
+                raise cause from None
+            raise ReplicaGroupError(
+                f"replica group {self.name!r} received the live state of step "
+                f"{self.manager.current_step()} from a peer but could not apply it (is every "
+                f"group training the same model and configuration?): {cause!r}"
+            ) from cause
         except Exception as exc:
             raise ReplicaGroupError(
                 f"replica group {self.name!r} found no quorum within "
@@ -236,8 +280,13 @@ class ReplicaGroup:
                 f"{self.options.min_groups} group(s)?): {exc}"
             ) from exc
         error = self.manager.errored()
-        if error is not None and self._healed is False and self.transport.stats.receives == 0:
-            log.warning("replica group %r: the quorum failed: %s", self.name, error)
+        if error is not None:
+            cause = getattr(error, "original_exception", error)
+            if isinstance(cause, ConfigError):  # every later attempt would fail the same way
+                raise cause
+            # a heal whose source went away, a process group that did not form: this attempt
+            # fails (this group takes part without counting) and the next quorum tries again
+            log.warning("replica group %r: the quorum or the heal failed: %s", self.name, cause)
         participant = self.manager.participating_rank()
         participants = int(self.manager.num_participants())
         view = StepView(
@@ -288,6 +337,8 @@ class ReplicaGroup:
         weight: float,
         view: StepView,
         leaving: bool = False,
+        used: Sequence[bool] | None = None,
+        agreement: int = 0,
     ) -> Reduced | None:
         """Sum ``grads`` times ``weight`` over every process of every participating group and
         divide by the samples that contributed (each process trained ``samples``); ``None``
@@ -295,14 +346,33 @@ class ReplicaGroup:
         over the process's batch, ``weight = samples`` makes the result the gradient of the
         mean over every sample of the step, however unevenly they were split. ``leaving``:
         this process was asked to leave (a drain signal); the group leaves after this step if
-        any of its processes was, and every group learns how many groups leave."""
+        any of its processes was, and every group learns how many groups leave. ``used``: per
+        gradient, whether this process's backward pass produced it (the result says which
+        ones some process did: the others stay unused, as under DDP). ``agreement``: a number
+        in ``[1, 2**16)`` that must be the same on every contributing process (a digest of
+        what the step's plan depends on); a step where it differs raises ``ConfigError``.
+
+        A process whose quorum or heal failed (the Manager has an error) cannot commit this
+        attempt; it still takes its part in the step's collectives, contributing nothing, so
+        the other groups commit without waiting for it (their ``contributed`` says its slots
+        did not: its samples go back to the queue)."""
+        errored = self.manager.errored() is not None
+        slot = None if errored else view.slot
+        counts = slot is not None
         slots = view.slots
-        header = torch.zeros(slots + 3, dtype=torch.float64)
-        if view.slot is not None and samples > 0:
-            header[0] = samples
-            header[3 + view.slot] = 1.0
+        flags = list(used) if used is not None else [True] * len(grads)
+        header = torch.zeros(_HEADER + slots + len(flags), dtype=torch.float64)
+        if slot is not None:
+            if samples > 0:
+                header[0] = samples
+                header[_HEADER + slot] = 1.0
+            if agreement:
+                header[3:6] = torch.tensor(
+                    [1.0, agreement, float(agreement) ** 2], dtype=torch.float64
+                )
+            header[_HEADER + slots :] = torch.tensor(flags, dtype=torch.float64)
         header[1] = 1.0 if leaving else 0.0
-        flats = _flatten_by_dtype(grads, weight if view.slot is not None else 0.0)
+        flats = _flatten_by_dtype(grads, weight if counts else 0.0)
         tensors = [header, *flats]
         if self._intra is not None and self.group_size > 1:
             for tensor in tensors:  # the group's own process group: a failure ends the group
@@ -310,13 +380,18 @@ class ReplicaGroup:
         group_leaving = bool(header[1] > 0)
         header[1] = 0.0
         header[2] = 1.0 if group_leaving else 0.0  # every rank r of a group: once per r's ring
+        if errored:
+            self._take_part(tensors)
+            return None
         works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in tensors]
         for work in works:
             work.wait()
         if self.manager.errored() is not None:
             return None
+        if counts and agreement:
+            _check_agreement(header[3:6].tolist(), agreement, self.name, view)
         total = float(header[0])
-        contributed = [bool(v > 0.5) for v in header[3:].tolist()]
+        contributed = [bool(v > 0.5) for v in header[_HEADER : _HEADER + slots].tolist()]
         if total > 0:
             for flat in flats:
                 flat.div_(total)
@@ -326,7 +401,19 @@ class ReplicaGroup:
             samples=total,
             leaving=group_leaving,
             groups_leaving=round(float(header[2])),
+            used=[bool(v > 0.5) for v in header[_HEADER + slots :].tolist()],
         )
+
+    def _take_part(self, tensors: Sequence[torch.Tensor]) -> None:
+        """This attempt failed here (the quorum or the heal): take part in the step's ring
+        with what ``tensors`` hold (nothing counted), directly on the process group, so the
+        groups that are fine do not wait a step timeout for this one and fail too."""
+        try:
+            works = [ft.allreduce_sum(self._pg, tensor) for tensor in tensors]
+            for work in works:
+                work.wait()
+        except Exception as exc:  # the ring itself is broken: the others fail this step too
+            log.info("replica group %r: could not take part in the step: %s", self.name, exc)
 
     def commit(self) -> bool:
         """torchft's commit vote for this step (every process of the group calls it)."""
@@ -384,10 +471,36 @@ class ReplicaGroup:
 
     def _take(self, state: Any) -> None:
         self._healed = True
-        self._put_state(state)
+        try:
+            self._put_state(state)
+        except Exception as exc:  # raised from start_quorum (the training thread)
+            raise _ApplyError() from exc
 
     def _configured(self, seconds: float) -> None:
         self.last_configure_s = seconds
+
+
+class _ApplyError(Exception):
+    """``put_state`` failed on the live state a peer sent (the cause is chained)."""
+
+
+# the header's fixed fields: samples, leaving, groups leaving, then the agreement's count, sum
+# and sum of squares; the slots' contribution flags and the gradients' use flags follow
+_HEADER = 6
+
+
+def _check_agreement(sums: Sequence[float], mine: int, name: str, view: StepView) -> None:
+    """Every contributing process had ``mine`` iff the sum is ``n * mine`` and the sum of
+    squares ``n * mine**2`` (exact in float64: ``mine < 2**16``, ``n < 2**20`` processes)."""
+    n, total, squares = sums
+    if total != n * mine or squares != n * float(mine) ** 2:
+        raise ConfigError(
+            f"replica group {name!r}: the groups taking part in step {view.step} do not agree "
+            "on the training data's plan (the dataset's length, shuffle, seed, drop_last, the "
+            "DataLoader's batch_size, global_batch_size, accumulate_grad_batches, the number "
+            "of processes per group, or the position in the epoch): every group must run the "
+            "same training configuration"
+        )
 
 
 def _flatten_by_dtype(grads: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:

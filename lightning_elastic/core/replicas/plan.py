@@ -36,6 +36,7 @@ __all__ = [
     "EpochQueue",
     "QueuePlan",
     "commit",
+    "commit_rounds",
     "slot_samples",
     "step_samples",
     "steps_left",
@@ -168,6 +169,34 @@ def commit(
         orphans=tuple(left_over) + queue.orphans[from_orphans:],
         steps=queue.steps + 1,
         samples=queue.samples + trained,
+    )
+
+
+def commit_rounds(
+    plan: QueuePlan,
+    queue: EpochQueue,
+    rounds: Sequence[Sequence[int]],
+    slots: int,
+    contributed: Sequence[bool],
+) -> EpochQueue:
+    """The queue after an optimizer step of several ``rounds`` (gradient accumulation)
+    committed with the slots ``contributed`` says. The rounds were planned one after the
+    other as if each committed in full, so they are consumed that way; the samples of the
+    slots that did not contribute, from every round, then go to the front of the queue."""
+    if len(contributed) != slots:
+        raise ValueError(f"{len(contributed)} contribution flags for {slots} slots")
+    left_over: list[int] = []
+    for samples in rounds:
+        if not samples:
+            continue
+        queue = commit(plan, queue, samples, slots, [True] * slots)
+        for slot in range(slots):
+            if not contributed[slot]:
+                left_over.extend(slot_samples(samples, slots, slot))
+    if not left_over:
+        return queue
+    return dataclasses.replace(
+        queue, orphans=tuple(left_over) + queue.orphans, samples=queue.samples - len(left_over)
     )
 
 

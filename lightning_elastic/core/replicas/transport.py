@@ -13,13 +13,22 @@ Which rank calls what: rank ``r`` of the group the Lighthouse chose as the sourc
 ``r`` of each healing group fetches from it (:meth:`~LiveStateTransport.recv_checkpoint`,
 also in torchft's quorum thread). The payload is an immutable snapshot: the source's training
 may go on while it is served.
+
+What anyone who reaches the port can do, and cannot: read the state being served (keep the
+port inside the job's network, as the Lighthouse's); not run code in a joining process (the
+safe loader), not make it allocate more than the memory it has left (a payload must say its
+length, and one larger than the available memory is refused before it is read), not hold a
+server thread longer than the step timeout (a request for a step not served yet waits that
+long at most; a connection that sends nothing is closed after it).
 """
 
 from __future__ import annotations
 
+import http.client
 import io
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -34,7 +43,7 @@ import torch
 from lightning_elastic.core.load.safe import UnsafeObjectError, load_object
 from lightning_elastic.errors import ConfigError
 
-__all__ = ["ADVERTISE_ENV", "LiveStateTransport", "TransferStats"]
+__all__ = ["ADVERTISE_ENV", "LiveStateTransport", "TransferStats", "direct_opener"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +77,11 @@ class LiveStateTransport:
         self._step = -1
         self._served = -1  # the newest step ever staged
         transport = self
+        seconds = timeout.total_seconds()
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = seconds  # a client that sends nothing does not hold a thread
+
             def do_GET(self) -> None:
                 payload, serving = transport._wait_for(_step_of(self.path))
                 if payload is None:
@@ -123,13 +135,18 @@ class LiveStateTransport:
         url = f"{metadata}{step}"
         began = time.perf_counter()
         try:
-            with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as response:
-                payload = response.read()
-        except (urllib.error.URLError, OSError) as exc:
+            with direct_opener().open(url, timeout=timeout.total_seconds()) as response:
+                payload = _read_payload(response, url)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise ConnectionError(f"fetching the live state from {url} failed: {exc}") from exc
         try:
             state = load_object(io.BytesIO(payload), f"live state from {url}", trusted=self.trusted)
         except UnsafeObjectError as exc:
+            if not exc.types:  # not a torch.save archive at all: torn, or not from a peer
+                raise ConnectionError(
+                    f"what {url} sent is not a live state ({exc.reason}); the next quorum "
+                    "tries again"
+                ) from exc
             raise ConfigError(
                 f"the live state from {url} holds objects the safe loader refuses ({exc}); "
                 "allowlist them with torch.serialization.add_safe_globals, or start every "
@@ -159,8 +176,43 @@ class LiveStateTransport:
             self._thread.join(timeout=5)
 
 
+def direct_opener() -> urllib.request.OpenerDirector:
+    """A urllib opener that ignores ``http_proxy``/``https_proxy``: the Lighthouse and the
+    peers are inside the job's network, and a login node's proxy settings must not route
+    (or leak) them through a proxy."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _step_of(path: str) -> int:
+    """The step a request asks for; ``-2`` for anything but ``/lightning_elastic/live/N``."""
     if not path.startswith(_PATH):
         return -2
     tail = path[len(_PATH) :]
-    return int(tail) if tail.isdigit() else -2
+    return int(tail) if re.fullmatch(r"[0-9]{1,18}", tail) else -2
+
+
+def _read_payload(response: Any, url: str) -> bytes:
+    """The body of ``response``, refused (``ConnectionError``) without a length or with one
+    larger than the memory this machine has available."""
+    length = response.headers.get("Content-Length")
+    if length is None or not re.fullmatch(r"[0-9]{1,20}", length.strip()):
+        raise ConnectionError(f"{url} sent a live state without a valid Content-Length")
+    size = int(length)
+    available = _available_memory()
+    if available is not None and size > available:
+        raise ConnectionError(
+            f"{url} announced a live state of {size} bytes, more than the {available} bytes "
+            "of memory available here: refused"
+        )
+    payload = response.read(size)
+    if len(payload) != size:
+        raise ConnectionError(f"{url} sent {len(payload)} of the {size} bytes it announced")
+    return bytes(payload)
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new allocations (``None`` where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -320,9 +320,35 @@ def _claimed_alone(storage: Storage, name: str) -> bool:
     """Our claim is in ``name`` and no other save's file is. Between the check above and the
     claim, another save may have committed there and released its claim, or retention may
     be deleting a checkpoint there (manifest already gone): writing into either would mix
-    two saves in one directory."""
-    names = {e.name for e in storage.listdir(name)}
-    return STAGING_FILE in names and not holds_checkpoint_files(names - {STAGING_FILE})
+    two saves in one directory.
+
+    Another save claiming the name at the same moment is no such file: on a local disk its
+    claim is a temporary ``_staging.json.tmp-*`` linked to ``_staging.json``, and its link
+    fails now that ours is there. Such a file written within :data:`_CLAIM_RACE_S` of ours is
+    that; an older one is what a claim that crashed left, and keeps the name taken until
+    garbage collection removes the directory (claiming it now could race that removal)."""
+    entries = {e.name: e for e in storage.listdir(name)}
+    ours = entries.get(STAGING_FILE)
+    if ours is None:
+        return False
+    since = None if ours.mtime is None else ours.mtime - _CLAIM_RACE_S
+    others = {
+        n
+        for n, e in entries.items()
+        if n != STAGING_FILE
+        and not (
+            n.startswith(f"{STAGING_FILE}.tmp-")
+            and since is not None
+            and e.mtime is not None
+            and e.mtime >= since
+        )
+    }
+    return not holds_checkpoint_files(others)
+
+
+#: how much earlier than our claim another save's claim may have started writing and still
+#: be racing ours (a claim is a few hundred bytes and one fsync: milliseconds)
+_CLAIM_RACE_S = 10.0
 
 
 #: replicated items below this size are written by the lowest rank holding them, up to

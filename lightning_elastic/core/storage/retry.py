@@ -135,16 +135,22 @@ class RetryPolicy:
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_seconds(self.deadline_s, "RetryPolicy.deadline_s")
-        check_count(self.max_attempts, "RetryPolicy.max_attempts", minimum=0)
-        check_seconds(self.initial_backoff_s, "RetryPolicy.initial_backoff_s")
-        check_seconds(self.max_backoff_s, "RetryPolicy.max_backoff_s")
+        checked = {
+            "deadline_s": check_seconds(self.deadline_s, "RetryPolicy.deadline_s"),
+            "max_attempts": check_count(self.max_attempts, "RetryPolicy.max_attempts", minimum=0),
+            "initial_backoff_s": check_seconds(
+                self.initial_backoff_s, "RetryPolicy.initial_backoff_s"
+            ),
+            "max_backoff_s": check_seconds(self.max_backoff_s, "RetryPolicy.max_backoff_s"),
+            "multiplier": check_number(self.multiplier, "RetryPolicy.multiplier", low=1),
+        }
+        for name, value in checked.items():  # plain numbers (a Decimal does not add to a float)
+            object.__setattr__(self, name, value)
         if self.initial_backoff_s > self.max_backoff_s:
             raise ConfigError(
                 "RetryPolicy needs initial_backoff_s <= max_backoff_s, got "
                 f"{self.initial_backoff_s} and {self.max_backoff_s}"
             )
-        check_number(self.multiplier, "RetryPolicy.multiplier", low=1)
 
 
 def retry_call(policy: RetryPolicy, op: str, where: str, fn: Callable[[], T]) -> T:

@@ -67,9 +67,10 @@ from lightning_elastic.core.storage.retry import RetryPolicy
 from lightning_elastic.errors import (
     ConfigError,
     ElasticCheckpointError,
-    IntegrityError,
     StorageError,
     StorageNotFoundError,
+    TransferError,  # re-exported: it lived here
+    TransferIntegrityError,  # re-exported: it lived here
     TransientStorageError,
 )
 
@@ -130,39 +131,6 @@ class TransferStats:
     bytes_received: int = 0
     files_present: int = 0
     seconds: float = 0.0
-
-
-class TransferError(ElasticCheckpointError):
-    """Some of this rank's transfers failed; ``failures`` lists them in list order, ``stats``
-    what this rank did. The peer of each failed transfer raises too (it saw the failure in
-    the exchange), unless the connection to it broke."""
-
-    def __init__(self, failures: Sequence[TransferFailure], stats: TransferStats) -> None:
-        self.failures = tuple(failures)
-        self.stats = stats
-        shown = "; ".join(
-            f"{f.transfer.path!r} from rank {f.transfer.src} to rank {f.transfer.dst} "
-            f"({f.kind}): {f.reason}"
-            for f in self.failures[:5]
-        )
-        more = f" (and {len(self.failures) - 5} more)" if len(self.failures) > 5 else ""
-        ElasticCheckpointError.__init__(
-            self, f"{len(self.failures)} checkpoint file transfer(s) failed: {shown}{more}"
-        )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.failures, self.stats))
-
-
-class TransferIntegrityError(TransferError, IntegrityError):
-    """Every failed transfer was a file whose bytes did not match its checksum or size (at
-    the sender, or as received: the received copy was deleted). ``file`` is the first one."""
-
-    def __init__(self, failures: Sequence[TransferFailure], stats: TransferStats) -> None:
-        TransferError.__init__(self, failures, stats)
-        first = self.failures[0]
-        self.checkpoint = first.transfer.path.rpartition("/")[0]
-        self.file, self.reason = first.transfer.path, first.reason
 
 
 class _PeerLost(ElasticCheckpointError):

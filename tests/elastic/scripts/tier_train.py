@@ -28,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import lightning.pytorch as pl
 
-from lightning_elastic import DistributedCheckpoint, ElasticStrategy
+from lightning_elastic import (
+    DistributedCheckpoint,
+    ElasticStrategy,
+    MonitoringOptions,
+    TierOptions,
+)
 from tests.elastic.journal import Journal
 from tests.lightning.models import TinyModule
 
@@ -110,13 +115,11 @@ def main() -> None:
             journal,
             DistributedCheckpoint(
                 root / "persistent",
-                local_dirpath=root / f"local_{NODE}",
-                persist_every_n_saves=3,
-                replicas=1,
-                local_keep=2,
                 every_n_train_steps=2,
-                timeout=60,
-                straggler_factor=None,
+                tiers=TierOptions(
+                    root / f"local_{NODE}", persist_every_n_saves=3, replicas=1, local_keep=2
+                ),
+                monitoring=MonitoringOptions(straggler_factor=None),
             ),
         ],
         default_root_dir=root,

@@ -1,4 +1,4 @@
-"""When ``DistributedCheckpoint`` saves: its triggers, and the decision every rank agrees on.
+"""When a training loop saves: its triggers, and the decision every rank agrees on.
 
 Step and epoch triggers come from the training counters (the same on every rank); the time
 trigger (fixed, ``"auto"`` or ``"continuous"``) is rank 0's clock and a caught signal is any
@@ -7,8 +7,9 @@ a gradient-accumulation window: a save inside a window would lose its partial gr
 decision is *deferred*: taken at the next quiet point (the next batch's start, or the end of
 training), after everything Lightning does for the step (see the callback's docstring).
 
-Which rank calls what: every rank calls every method, at the same points of the loop (they are
-called from the callback's hooks); :meth:`SaveSchedule.decide` is a collective.
+Which rank calls what: every rank calls every method, at the same points of the loop
+(``DistributedCheckpoint`` calls them from its hooks; a loop around ``CheckpointEngine`` may
+too); :meth:`SaveSchedule.decide` is a collective. No Lightning here.
 """
 
 from __future__ import annotations
