@@ -54,6 +54,7 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.catalog import Catalog, holds_checkpoint_files, split_location
 from lightning_elastic.core.format.integrity import VERIFY_MODES
+from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.core.options import check_bool, check_choice, check_seconds
 from lightning_elastic.core.policy.housekeeping import delete_checkpoint
 from lightning_elastic.core.save.request import SaveResult
@@ -345,8 +346,10 @@ def finish_saves_of(path: Any) -> None:
         location = os.fspath(path)
     except TypeError:
         return
+    local = local_path(location)
+    names = {location} if local is None else {location, os.path.realpath(local)}  # a link too
     for plugin in list(_LIVE):
-        if plugin.pending(location):
+        if any(plugin.pending(name) for name in names):
             plugin.wait()
 
 
@@ -373,8 +376,8 @@ def _refuse_file(location: str) -> None:
 
 
 def _refuse_incomplete(location: str, storage_options: dict[str, Any]) -> None:
-    """A directory of ours without a manifest: a save that never committed, not a file for
-    ``torch.load`` (whose ``IsADirectoryError`` would not say so)."""
+    """A directory of ours without a manifest (a save that never committed), or any other
+    directory: not a file for ``torch.load``, whose ``IsADirectoryError`` would not say so."""
     try:
         storage = Storage(location, storage_options=storage_options)
         names = [e.name for e in storage.listdir() if not e.is_dir]
@@ -384,6 +387,12 @@ def _refuse_incomplete(location: str, storage_options: dict[str, Any]) -> None:
         raise CheckpointNotFoundError(
             f"{location} is incomplete: a save that did not commit (it crashed, or another "
             "process is still writing it); load the checkpoint before it"
+        )
+    local = local_path(location)
+    if local is not None and os.path.isdir(local):  # torch.load would say IsADirectoryError
+        raise CheckpointNotFoundError(
+            f"{location} is a directory but not a checkpoint: neither one of ours (no "
+            f"{MANIFEST_FILE}) nor a torch.save file"
         )
 
 

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_elastic import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
@@ -382,6 +383,37 @@ def test_links_and_files_of_other_runs_are_removed_as_lightning_removes_them(tmp
     with pytest.raises(Exception, match="is a file"):
         (tmp_path / "b.ckpt").write_bytes(b"x")
         plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b.ckpt")
+    plugin.teardown()
+
+
+def test_hostile_folders_that_are_not_checkpoints_are_neither_emptied_nor_loaded(tmp_path) -> None:
+    plugin = ElasticCheckpointIO()
+    folder = tmp_path / "epoch=0-step=3.ckpt"  # a user's folder under ModelCheckpoint's name
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointExistsError, match="notes.txt"):
+        plugin.save_checkpoint({"w": torch.ones(2)}, folder)
+    assert listing(folder) == ["notes.txt"]
+    with pytest.raises(CheckpointNotFoundError, match="is a directory but not a checkpoint"):
+        plugin.load_checkpoint(folder)
+    plugin.teardown()
+
+
+def test_a_load_through_a_link_waits_for_the_save_it_points_to(tmp_path, monkeypatch) -> None:
+    from lightning_elastic.core.save import pipeline
+
+    write = pipeline._write_and_report
+
+    def slow_write(*args: Any) -> Any:  # a local path (a link resolves), written slowly
+        time.sleep(0.5)
+        return write(*args)
+
+    monkeypatch.setattr(pipeline, "_write_and_report", slow_write)
+    plugin = ElasticCheckpointIO()
+    plugin.save_checkpoint({"w": torch.arange(3.0)}, tmp_path / "a.ckpt")
+    assert plugin.pending(str(tmp_path / "a.ckpt"))
+    (tmp_path / "last.ckpt").symlink_to("a.ckpt")  # as save_last="link" makes it
+    assert torch.equal(plugin.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.arange(3.0))
     plugin.teardown()
 
 

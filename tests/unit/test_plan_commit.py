@@ -363,6 +363,21 @@ def test_overwriting_a_quarantined_checkpoint_commits_a_valid_one(engine) -> Non
     assert [(i.name, i.step, str(i.status)) for i in engine.list()] == [("last", 2, "valid")]
 
 
+def test_hostile_a_named_save_never_writes_into_a_directory_that_is_not_a_checkpoint(
+    engine,
+) -> None:
+    """Its commit's cleanup removes every file the manifest does not list: a user's folder of
+    that name would be emptied. Refused, with or without overwrite, naming what is there."""
+    folder = root(engine) / "results"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointExistsError, match=r"not a checkpoint of ours .*notes\.txt"):
+            engine.save({"x": torch.ones(2)}, step=1, name="results", overwrite=overwrite)
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+    engine.save({"x": torch.ones(2)}, step=1, name="empty").result()  # a new name: fine
+
+
 @pytest.fixture
 def parts(tmp_path) -> tuple[SaveTarget, RunState]:
     """What the phases of one save take, as an engine of one process makes them."""

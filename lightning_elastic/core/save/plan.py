@@ -248,6 +248,20 @@ def _name(request: SaveRequest, attempt: int) -> str:
     return checkpoint_name(request.step, attempt)
 
 
+def _refuse_foreign(storage: Storage, name: str) -> None:
+    """A named save into a directory that holds something, none of it ours (a user's folder
+    of that name, another tool's checkpoint), would have its commit's cleanup delete all of
+    it: refused, naming what is there."""
+    entries = storage.listdir(name)
+    if entries and not holds_checkpoint_files(e.name for e in entries if not e.is_dir):
+        shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise CheckpointExistsError(
+            f"{storage.display(name)} is a directory that is not a checkpoint of ours (it holds "
+            f"{shown}); a save under that name would delete its contents: move it away or "
+            "choose another name"
+        )
+
+
 def _claim(
     target: SaveTarget, reserved: Collection[str], request: SaveRequest, record: StagingRecord
 ) -> tuple[int, bool]:
@@ -269,6 +283,7 @@ def _claim(
     if request.name is not None:
         name = request.name.strip("/")
         replaces = False
+        _refuse_foreign(storage, name)
         if storage.exists(f"{name}/{MANIFEST_FILE}"):
             if not request.overwrite:
                 raise CheckpointExistsError(
