@@ -25,6 +25,7 @@ to the data being written (ours: to the durable commit, fsync included; Lightnin
 ``torch.save`` does not fsync).
 
     python benchmarks/bench_lightning.py [--small] [--fsdp] [--rounds 3] [--steps 40]
+        [--layers 22 --width 2048]   (state: layers x (W*W + W) x 4 bytes x 3, with Adam)
 """
 
 from __future__ import annotations
@@ -300,6 +301,12 @@ def main() -> None:
     )
     parser.add_argument("--small", action="store_true", help="4 x Linear(512, 512): a quick run")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2: ours vs ModelParallelStrategy")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="Linear(W, W) layers (default 22; --small 4)"
+    )
+    parser.add_argument(
+        "--width", type=int, default=None, help="their width W (default 2048; --small 512)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
@@ -308,6 +315,7 @@ def main() -> None:
     configs = FSDP_CONFIGS if args.fsdp else CONFIGS
     out_path = args.out or f"benchmarks/results/lightning{'_fsdp' if args.fsdp else ''}.json"
     layers, width = (4, 512) if args.small else (22, 2048)
+    layers, width = args.layers or layers, args.width or width  # a size that fits the machine
     state_gb = layers * (width * width + width) * 4 * 3 / 1e9
     scratch = tempfile.mkdtemp(prefix="le-bench-pl-", dir=os.getcwd())
     os.environ.setdefault("OMP_NUM_THREADS", "1")

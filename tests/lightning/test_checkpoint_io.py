@@ -391,7 +391,7 @@ def test_hostile_folders_that_are_not_checkpoints_are_neither_emptied_nor_loaded
     folder = tmp_path / "epoch=0-step=3.ckpt"  # a user's folder under ModelCheckpoint's name
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")
-    with pytest.raises(CheckpointExistsError, match="notes.txt"):
+    with pytest.raises(CheckpointExistsError, match=r"notes\.txt"):
         plugin.save_checkpoint({"w": torch.ones(2)}, folder)
     assert listing(folder) == ["notes.txt"]
     with pytest.raises(CheckpointNotFoundError, match="is a directory but not a checkpoint"):
