@@ -215,11 +215,11 @@ def run_fit(
     if ours is not None:
         original = ours._report
 
-        def report(trainer: Any, handle: Any) -> None:
+        def report(trainer: Any, handle: Any, **kwargs: Any) -> None:
             result = handle.result()
             commits.append(result.total_s)
             blocked.append(result.blocked_s)
-            original(trainer, handle)
+            original(trainer, handle, **kwargs)
 
         ours._report = report  # type: ignore[method-assign]
     if elastic_io is not None:

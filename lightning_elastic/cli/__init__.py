@@ -18,10 +18,10 @@ Exit codes:
 
 * 0: done; for ``verify``, every checkpoint it checked is valid;
 * 1: ``verify``/``consolidate`` found a checkpoint corrupt (or, named alone, incomplete),
-  ``import`` wrote one that does not read back as its source, or had nothing to check
-  (``report``: neither checkpoints nor history); ``prune`` could not delete a checkpoint it
-  planned to delete. In a root, ``verify`` lists directories without
-  a manifest as ``incomplete`` (a save in flight, or a crashed one that the next save or
+  ``import`` found its source corrupt or wrote one that does not read back as it, or had
+  nothing to check (``report``: neither checkpoints nor history); ``prune`` could not delete
+  a checkpoint it planned to delete. In a root, ``verify`` lists directories without a
+  manifest as ``incomplete`` (a save in flight, or a crashed one that the next save or
   ``prune`` collects) without failing for them;
 * 2: bad arguments, or a path that is not what the verb needs (missing, a file, a checkpoint
   root where one checkpoint is expected or the reverse), or a storage error;

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_elastic.cli.common import EXIT_BAD_CHECKPOINT, EXIT_OK, CliError, add_verb
 from lightning_elastic.cli.common import storage_options as options_of
-from lightning_elastic.errors import IntegrityError
+from lightning_elastic.errors import CheckpointExistsError, IntegrityError
 
 __all__ = ["add_parser", "command"]
 
@@ -41,8 +41,9 @@ def add_parser(sub: Any) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """Import, then say where it went (JSON with ``--json``). A checkpoint that does not read
-    back as its source exits 1; the other errors are typed and reported by the CLI (exit 2)."""
+    """Import, then say where it went (JSON with ``--json``). A corrupt source, or a checkpoint
+    that does not read back as its source, exits 1; the other errors are typed and reported by
+    the CLI (exit 2)."""
     from lightning_elastic.core.load.import_ckpt import import_checkpoint
 
     try:
@@ -54,8 +55,11 @@ def command(args: argparse.Namespace) -> int:
             trusted=args.trusted,
             overwrite=args.overwrite,
         )
-    except IntegrityError as exc:
+    except IntegrityError as exc:  # the source, or what was written, is corrupt
         raise CliError(str(exc), EXIT_BAD_CHECKPOINT) from None
+    except CheckpointExistsError as exc:
+        hint = " (--overwrite)" if "overwrite=True" in str(exc) else ""
+        raise CliError(f"{exc}{hint}") from None
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:

@@ -168,3 +168,36 @@ def test_a_path_that_is_no_checkpoint_is_a_usage_error(tmp_path: Path, capsys) -
     assert code == 2 and "neither a torch.save file nor" in err
     code, _, err = run(capsys, "import", str(tmp_path / "missing.ckpt"), str(tmp_path / "o"))
     assert code == 2
+
+
+def test_hostile_a_garbled_source_is_a_corrupt_checkpoint_naming_the_file(
+    tmp_path: Path, capsys
+) -> None:
+    """Not "unsafe" (--trusted would not help) nor an unexpected error: exit 1, the file named."""
+    torch.save({"w": torch.ones(64), "global_step": 1}, tmp_path / "good.ckpt")
+    data = (tmp_path / "good.ckpt").read_bytes()
+    (tmp_path / "half.ckpt").write_bytes(data[: len(data) // 2])
+    dcp.save({"w": torch.ones(64)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"garbage")
+    for source, file in (("half.ckpt", "half.ckpt"), ("dcp", ".metadata")):
+        code, _, err = run(capsys, "import", str(tmp_path / source), str(tmp_path / "ours"))
+        assert code == 1 and f"'{file}'" in err and "corrupt" in err, err
+    assert not (tmp_path / "ours").exists() or not any((tmp_path / "ours").iterdir())
+
+
+def test_hostile_an_import_never_empties_a_folder_of_that_name(tmp_path: Path, capsys) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.ckpt")
+    folder = tmp_path / "ours" / "model.ckpt"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    code, _, err = run(capsys, "import", str(tmp_path / "model.ckpt"), str(tmp_path / "ours"))
+    assert code == 2 and "not a checkpoint of ours" in err
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+    code, _, err = run(
+        capsys, "import", str(tmp_path / "model.ckpt"), str(tmp_path / "ours"), "--name", "m"
+    )
+    assert code == 0
+    code, _, err = run(
+        capsys, "import", str(tmp_path / "model.ckpt"), str(tmp_path / "ours"), "--name", "m"
+    )
+    assert code == 2 and "--overwrite" in err

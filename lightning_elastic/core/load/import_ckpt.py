@@ -21,11 +21,13 @@ import io
 import os
 import pickle
 import time
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_elastic.core._compat import read_dcp_directory
 from lightning_elastic.core.dist.coordinator import Coordinator
@@ -37,6 +39,7 @@ from lightning_elastic.core.storage.base import local_path
 from lightning_elastic.errors import (
     CheckpointNotFoundError,
     ConfigError,
+    ElasticCheckpointError,
     IntegrityError,
     Phase,
     RankFailure,
@@ -79,7 +82,9 @@ def import_checkpoint(
     Raises:
         CheckpointNotFoundError: ``source`` is neither a file nor a DCP directory.
         UnsafeCheckpointError: an object of ``source`` would need ``trusted=True``.
-        IntegrityError: what was written does not read back as what was read.
+        IntegrityError: ``source`` is truncated or garbled (not a ``torch.save`` file, a DCP
+            ``.metadata`` or shard that cannot be read), naming the file.
+            Or what was written does not read back as what was read.
     """
     start = time.monotonic()
     src = os.fspath(source)
@@ -120,7 +125,16 @@ def read_foreign(source: str, *, trusted: bool = False) -> tuple[dict[str, Any],
     if path is None:
         raise ConfigError(f"the source must be a local file or directory, got {source!r}")
     if os.path.isfile(path):
-        state = _unsafe_to_typed(source, lambda: load_file(path, trusted=trusted))
+        if not trusted and not zipfile.is_zipfile(path):
+            raise IntegrityError(
+                source,
+                os.path.basename(path),
+                "not a torch.save file (truncated, or another format; a legacy-format "
+                "torch.save file loads with trusted=True / --trusted)",
+            )
+        state = _unreadable_to_typed(
+            source, path, lambda: _unsafe_to_typed(source, lambda: load_file(path, trusted=trusted))
+        )
         if not isinstance(state, dict):
             raise ConfigError(
                 f"{source} holds a {type(state).__name__}, not a checkpoint dict: save a dict "
@@ -128,7 +142,12 @@ def read_foreign(source: str, *, trusted: bool = False) -> tuple[dict[str, Any],
             )
         return state, TORCH_SAVE
     if os.path.isfile(os.path.join(path, _DCP_METADATA)):
-        return _unsafe_to_typed(source, lambda: _read_dcp(path, trusted)), DCP
+        state = _unreadable_to_typed(
+            source,
+            "a .distcp shard",
+            lambda: _unsafe_to_typed(source, lambda: _read_dcp(path, trusted)),
+        )
+        return state, DCP
     raise CheckpointNotFoundError(
         f"{source} is neither a torch.save file nor a torch.distributed.checkpoint directory "
         f"(no {_DCP_METADATA} in it)"
@@ -136,8 +155,11 @@ def read_foreign(source: str, *, trusted: bool = False) -> tuple[dict[str, Any],
 
 
 def _read_dcp(path: str, trusted: bool) -> dict[str, Any]:
-    with open(os.path.join(path, _DCP_METADATA), "rb") as stream:  # before DCP opens it
-        metadata = pickle.load(stream) if trusted else _MetadataUnpickler(stream).load()
+    def unpickle() -> Any:
+        with open(os.path.join(path, _DCP_METADATA), "rb") as stream:  # before DCP opens it
+            return pickle.load(stream) if trusted else _MetadataUnpickler(stream).load()
+
+    metadata = _unreadable_to_typed(path, _DCP_METADATA, unpickle)
 
     def read_metadata(stream: Any) -> Any:
         return metadata
@@ -226,6 +248,25 @@ def _unsafe_to_typed(source: str, read: Any) -> Any:
     except UnsafeObjectError as exc:
         failure = RankFailure.from_exception(0, Phase.LOAD, exc)
         raise UnsafeCheckpointError(source, [failure], exc.types) from None
+
+
+def _unreadable_to_typed(source: str, file: str, read: Any) -> Any:
+    """What torch or DCP raise for a truncated or garbled source, as an :class:`IntegrityError`
+    naming it (our own errors pass through)."""
+    try:
+        return read()
+    except (ElasticCheckpointError, UnsafeObjectError):
+        raise
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        RuntimeError,
+        ValueError,
+        KeyError,
+        CheckpointException,  # DCP's, for a shard it cannot read (a BaseException)
+    ) as exc:
+        reason = f"cannot be read: {type(exc).__name__}: {str(exc)[:300]}"
+        raise IntegrityError(source, os.path.basename(file), reason) from exc
 
 
 def _compare(back: Any, read: Any, location: str, where: str = "") -> None:
