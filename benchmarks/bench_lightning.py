@@ -6,6 +6,8 @@ same two processes, one torch thread each):
 * none                 - no checkpointing (the reference);
 * ModelCheckpoint      - Lightning's callback, synchronous ``torch.save`` on rank 0;
 * ModelCheckpoint+Async - the same with ``AsyncCheckpointIO``;
+* ModelCheckpoint+ElasticIO - the same with ``ElasticCheckpointIO`` (ours: rank 0 copies the
+  state once into a reused host buffer, writes and commits in the background);
 * DistributedCheckpoint - ours (async, sharded), with ``ElasticStrategy``.
 
 With ``--fsdp`` the model is sharded by FSDP2 (``fully_shard`` per layer) and the
@@ -23,6 +25,7 @@ to the data being written (ours: to the durable commit, fsync included; Lightnin
 ``torch.save`` does not fsync).
 
     python benchmarks/bench_lightning.py [--small] [--fsdp] [--rounds 3] [--steps 40]
+        [--layers 22 --width 2048]   (state: layers x (W*W + W) x 4 bytes x 3, with Adam)
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ import torch.distributed as dist
 
 from lightning_elastic.testing.spawn import run_distributed
 
-CONFIGS = ["none", "ModelCheckpoint", "ModelCheckpoint+Async", "DistributedCheckpoint"]
+CONFIGS = [
+    "none",
+    "ModelCheckpoint",
+    "ModelCheckpoint+Async",
+    "ModelCheckpoint+ElasticIO",
+    "DistributedCheckpoint",
+]
 FSDP_CONFIGS = ["none", "ModelParallelStrategy", "DistributedCheckpoint"]
 
 
@@ -126,6 +135,23 @@ def timed_io() -> Any:
     return TimedIO()
 
 
+def timed_elastic_io() -> Any:
+    """``ElasticCheckpointIO`` noting each committed save's blocked and total seconds."""
+    from lightning_elastic import ElasticCheckpointIO
+
+    class TimedElasticIO(ElasticCheckpointIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.commits: list[float] = []
+            self.blocked: list[float] = []
+
+        def _committed(self, result: Any) -> None:
+            self.commits.append(result.total_s)
+            self.blocked.append(result.blocked_s)
+
+    return TimedElasticIO()
+
+
 def run_fit(
     config: str,
     root: str,
@@ -152,6 +178,7 @@ def run_fit(
         strategy = "ddp"
     io = None
     ours = None
+    elastic_io: Any = None
     saves: list[float] = []  # ModelParallelStrategy's own (synchronous) saves
     if config == "ModelParallelStrategy":
         callbacks.append(
@@ -165,6 +192,12 @@ def run_fit(
             saves.append(time.perf_counter() - start)
 
         strategy.save_checkpoint = timed_save
+    elif config == "ModelCheckpoint+ElasticIO":
+        callbacks.append(
+            ModelCheckpoint(dirpath=f"{root}/mc", every_n_train_steps=every, save_top_k=1)
+        )
+        elastic_io = timed_elastic_io()
+        plugins.append(elastic_io)
     elif config.startswith("ModelCheckpoint"):
         callbacks.append(
             ModelCheckpoint(dirpath=f"{root}/mc", every_n_train_steps=every, save_top_k=1)
@@ -182,13 +215,15 @@ def run_fit(
     if ours is not None:
         original = ours._report
 
-        def report(trainer: Any, handle: Any) -> None:
+        def report(trainer: Any, handle: Any, **kwargs: Any) -> None:
             result = handle.result()
             commits.append(result.total_s)
             blocked.append(result.blocked_s)
-            original(trainer, handle)
+            original(trainer, handle, **kwargs)
 
         ours._report = report  # type: ignore[method-assign]
+    if elastic_io is not None:
+        commits, blocked = elastic_io.commits, elastic_io.blocked  # rank 0's (the saver's)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -266,6 +301,12 @@ def main() -> None:
     )
     parser.add_argument("--small", action="store_true", help="4 x Linear(512, 512): a quick run")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2: ours vs ModelParallelStrategy")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="Linear(W, W) layers (default 22; --small 4)"
+    )
+    parser.add_argument(
+        "--width", type=int, default=None, help="their width W (default 2048; --small 512)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
@@ -274,6 +315,7 @@ def main() -> None:
     configs = FSDP_CONFIGS if args.fsdp else CONFIGS
     out_path = args.out or f"benchmarks/results/lightning{'_fsdp' if args.fsdp else ''}.json"
     layers, width = (4, 512) if args.small else (22, 2048)
+    layers, width = args.layers or layers, args.width or width  # a size that fits the machine
     state_gb = layers * (width * width + width) * 4 * 3 / 1e9
     scratch = tempfile.mkdtemp(prefix="le-bench-pl-", dir=os.getcwd())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -338,6 +380,14 @@ def main() -> None:
         f"\ntarget: DistributedCheckpoint >= {target:.2f}x of no checkpointing -> {ratio:.2f}x "
         f"{'MET' if ratio >= target else 'MISSED'}"
     )
+    if "ModelCheckpoint+ElasticIO" in summary:
+        plugin = summary["ModelCheckpoint+ElasticIO"]["relative"]
+        close = abs(plugin - ratio) <= 0.03
+        print(
+            f"target: ModelCheckpoint+ElasticIO >= 0.95x -> {plugin:.2f}x "
+            f"{'MET' if plugin >= 0.95 else 'MISSED'}; within 0.03 of DistributedCheckpoint "
+            f"({ratio:.2f}x) -> {'MET' if close else 'MISSED'}"
+        )
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(
         json.dumps({"every": rank0["every"], "summary": summary, "raw": out}, indent=1)

@@ -28,6 +28,8 @@ _EXPORTS = {
     "Manifest": "lightning_elastic.core.format.manifest",
     "LoadResult": "lightning_elastic.core.load.load",
     "consolidate": "lightning_elastic.core.load.consolidate",
+    "ImportResult": "lightning_elastic.core.load.import_ckpt",
+    "import_checkpoint": "lightning_elastic.core.load.import_ckpt",
     "PerRankRule": "lightning_elastic.core.load.per_rank",
     "LoadedWeights": "lightning_elastic.core.load.weights",
     "load_weights": "lightning_elastic.core.load.weights",
@@ -46,6 +48,7 @@ _EXPORTS = {
     "RetryPolicy": "lightning_elastic.core.storage.retry",
     "Storage": "lightning_elastic.core.storage.base",
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
+    "ElasticCheckpointIO": "lightning_elastic.lightning.checkpoint_io",
     "ElasticSampler": "lightning_elastic.lightning.data",
     "ElasticFSDPStrategy": "lightning_elastic.lightning.fsdp",
     "ElasticFTStrategy": "lightning_elastic.lightning.replicas",
@@ -71,6 +74,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.core.format.catalog import CheckpointInfo
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.load.consolidate import consolidate
+    from lightning_elastic.core.load.import_ckpt import ImportResult, import_checkpoint
     from lightning_elastic.core.load.load import LoadResult
     from lightning_elastic.core.load.per_rank import PerRankRule
     from lightning_elastic.core.load.weights import LoadedWeights, load_weights
@@ -91,6 +95,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from lightning_elastic.errors import *  # noqa: F403  (exactly errors.__all__)
     from lightning_elastic.lighthouse import Lighthouse
     from lightning_elastic.lightning.callback import DistributedCheckpoint
+    from lightning_elastic.lightning.checkpoint_io import ElasticCheckpointIO
     from lightning_elastic.lightning.data import ElasticSampler
     from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
     from lightning_elastic.lightning.replicas import ElasticFTStrategy

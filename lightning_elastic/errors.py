@@ -485,8 +485,9 @@ class CheckpointLoadError(DistributedFailure):
 
 TRUSTED_HINT = (
     "nothing from it was executed. If you trust this checkpoint (you wrote it), load it with "
-    "trusted=True (CheckpointEngine.load / DistributedCheckpoint(trusted=True) / "
-    "`lightning-elastic consolidate --trusted`), or allowlist the type with "
+    "trusted=True (CheckpointEngine.load, ElasticStrategy(trusted=True), "
+    "ElasticCheckpointIO(trusted=True), `lightning-elastic consolidate/import --trusted`) or "
+    "weights_only=False (load_from_checkpoint, fit/validate/test), or allowlist the type with "
     "torch.serialization.add_safe_globals([...])"
 )
 

@@ -1,5 +1,6 @@
-"""``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints, report on
-a run; ``run`` launches training like torchrun (see :mod:`lightning_elastic.launcher`).
+"""``lightning-elastic``: list, inspect, verify, prune and consolidate checkpoints, import a
+Lightning ``.ckpt`` or DCP directory, report on a run; ``run`` launches training like torchrun
+(see :mod:`lightning_elastic.launcher`).
 
 Works on local paths and fsspec URLs (``-o key=value`` passes storage options, e.g.
 ``-o endpoint_url=http://127.0.0.1:9000``). Every verb takes ``--json``: then everything it
@@ -16,10 +17,11 @@ corrupt). Only ``verify`` (and ``--check full``) reads the data and compares che
 Exit codes:
 
 * 0: done; for ``verify``, every checkpoint it checked is valid;
-* 1: ``verify``/``consolidate`` found a checkpoint corrupt (or, named alone, incomplete), or
-  had nothing to check (``report``: neither checkpoints nor history); ``prune`` could not
-  delete a checkpoint it planned to delete. In a root, ``verify`` lists directories without
-  a manifest as ``incomplete`` (a save in flight, or a crashed one that the next save or
+* 1: ``verify``/``consolidate`` found a checkpoint corrupt (or, named alone, incomplete),
+  ``import`` found its source corrupt or wrote one that does not read back as it, or had
+  nothing to check (``report``: neither checkpoints nor history); ``prune`` could not delete
+  a checkpoint it planned to delete. In a root, ``verify`` lists directories without a
+  manifest as ``incomplete`` (a save in flight, or a crashed one that the next save or
   ``prune`` collects) without failing for them;
 * 2: bad arguments, or a path that is not what the verb needs (missing, a file, a checkpoint
   root where one checkpoint is expected or the reverse), or a storage error;
@@ -40,6 +42,7 @@ from collections.abc import Sequence
 
 from lightning_elastic.cli import (
     consolidate,
+    import_,
     inspect,
     lighthouse,
     ls,
@@ -62,7 +65,7 @@ from lightning_elastic.errors import ElasticCheckpointError
 __all__ = ["main"]
 
 # the subcommands, in the order --help lists them (one module each)
-VERBS = (run, lighthouse, ls, inspect, verify, prune, consolidate, report)
+VERBS = (run, lighthouse, ls, inspect, verify, prune, consolidate, import_, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

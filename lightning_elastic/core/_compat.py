@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "load_planner_mappings",
     "missing",
     "process_group_store",
+    "read_dcp_directory",
     "rendezvous_round",
     "run_exit_handlers",
     "save_planner_state",
@@ -48,6 +49,13 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # reused plan sets them up without DCP's flattening (core/save/plan.py), and staging reads
     # plain tensors from the flattened state (core/save/stage.py)
     ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.set_up_planner"),
+    # reading a DCP directory of someone else's (``lightning-elastic import``): DCP's loader
+    # without collectives, its state-rebuilding planner (which keeps the flattening map and
+    # the caller's dict as attributes), its reader's metadata path and load id
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    ("torch.distributed.checkpoint._traverse", "set_element"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader._get_metadata_path"),
     # many small tensors flattened in one C++ call (digests, core/save/digest.py), and
     # copied in one (staging, core/save/stage.py)
     ("torch._utils", "_flatten_dense_tensors"),
@@ -139,6 +147,55 @@ def save_planner_state(planner: Any) -> dict[str, Any] | None:
     """The flattened state (FQN -> value) of a set-up ``DefaultSavePlanner``."""
     state = getattr(planner, "state_dict", None)
     return state if isinstance(state, dict) else None
+
+
+def read_dcp_directory(
+    path: str,
+    read_metadata: Callable[[Any], Any],
+    load_object: Callable[[Any, str], Any],
+) -> dict[str, Any]:
+    """The whole state of a ``torch.distributed.checkpoint`` directory written by anyone, in
+    this process, with DCP's own reader and its state-rebuilding planner (what
+    ``dcp_to_torch_save`` does), except that its pickled ``.metadata`` is read by
+    ``read_metadata(file)`` and every object (``BYTE_IO`` item) by ``load_object(buffer, fqn)``
+    (DCP unpickles both with ``weights_only=False``). A failure raises the error itself, not
+    DCP's ``CheckpointException`` (a ``BaseException``)."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            where = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(where, "rb") as stream:
+                metadata = read_metadata(stream)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            obj = load_object(value, fqn)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    state: dict[str, Any] = {}
+    planner = Planner()  # type: ignore[no-untyped-call]
+    try:
+        _load_state_dict(state, storage_reader=Reader(path), planner=planner, no_dist=True)
+    except CheckpointException as exc:  # a BaseException: the first rank's error itself
+        errors = [error for error, _ in exc.failures.values()]
+        if errors and isinstance(errors[0], Exception):
+            raise errors[0] from None
+        raise RuntimeError(str(exc)) from None
+    return state
 
 
 def flatten_dense(tensors: list[Any]) -> Any:

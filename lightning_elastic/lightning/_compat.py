@@ -27,6 +27,7 @@ __all__ = [
     "forgive_changed_log_arguments",
     "install_on_connector",
     "is_distributed",
+    "last_checkpoint_files",
     "limit_train_batches",
     "litdata_children",
     "logger_connector_state",
@@ -34,6 +35,7 @@ __all__ = [
     "metric_reductions",
     "metric_update_count",
     "missing",
+    "model_checkpoint_dir",
     "new_result_metric",
     "optimizer_to_device",
     "parallel_sizes",
@@ -44,6 +46,7 @@ __all__ = [
     "reinstantiate_dataloader",
     "restore_results",
     "result_entry",
+    "set_ckpt_path",
     "set_closure_batch",
     "set_data_parallel_size",
     "set_loaded_checkpoint",
@@ -67,6 +70,8 @@ __all__ = [
     "validates_by_time",
     "wrap_checkpoint_loaders",
     "wrap_ckpt_path_parser",
+    "wrap_strategy_connection",
+    "wrapped_checkpoint_io",
 ]
 
 # modules whose `pl_load` reads checkpoint files: saving.py (load_from_checkpoint) and
@@ -92,6 +97,22 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
         "lightning.pytorch.trainer.connectors.checkpoint_connector",
         "_CheckpointConnector._parse_ckpt_path",
     ),
+    # where a Trainer's or Fabric's connector gives the strategy its plugins (checkpoint_io):
+    # ElasticCheckpointIO refuses the strategies that do not save through it, there
+    (
+        "lightning.pytorch.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector._lazy_init_strategy",
+    ),
+    ("lightning.fabric.connector", "_Connector._lazy_init_strategy"),
+    ("lightning.pytorch.plugins.io.wrapper", "_WrappingCheckpointIO"),
+    # the directory a ModelCheckpoint without dirpath will write (ckpt_path="last" with
+    # ElasticCheckpointIO looks there before the callback is set up)
+    (
+        "lightning.pytorch.callbacks.model_checkpoint",
+        "ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir",
+    ),
+    # the last*.ckpt files Lightning's own ckpt_path="last" chooses among
+    ("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._find_last_checkpoints"),
     # the file loader (cloud_io._load) that LightningModule.load_from_checkpoint and
     # TorchCheckpointIO.load_checkpoint call, under the name each module imported it as
     *((module, "pl_load") for module in _CHECKPOINT_LOADERS),
@@ -310,6 +331,54 @@ def wrap_ckpt_path_parser(wrap: Callable[[Callable[..., Any]], Callable[..., Any
     current = _CheckpointConnector._parse_ckpt_path
     if not getattr(current, _WRAPPED, False):
         _CheckpointConnector._parse_ckpt_path = _marked(wrap(current))  # type: ignore[method-assign]
+
+
+def wrap_strategy_connection(check: Callable[[Any, Any], None]) -> None:
+    """Call ``check(strategy, checkpoint_io)`` whenever a Trainer's or a Fabric's connector is
+    about to give the strategy its plugins (``_lazy_init_strategy``, in the constructor; the
+    ``checkpoint_io`` is the one from ``plugins=[...]`` or from the strategy's own argument, or
+    ``None``); idempotent like :func:`wrap_checkpoint_loaders`."""
+    from lightning.fabric.connector import _Connector
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    for connector in (_AcceleratorConnector, _Connector):
+        current = connector._lazy_init_strategy
+        if getattr(current, _WRAPPED, False):
+            continue
+
+        def _lazy_init_strategy(self: Any, _original: Any = current) -> None:
+            check(self.strategy, self.checkpoint_io)
+            _original(self)
+
+        connector._lazy_init_strategy = _marked(_lazy_init_strategy)  # type: ignore[method-assign]
+
+
+def wrapped_checkpoint_io(io: Any) -> Any:
+    """The plugin an ``AsyncCheckpointIO`` (any ``_WrappingCheckpointIO``) wraps, or ``None``
+    when ``io`` wraps nothing."""
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    return io._checkpoint_io if isinstance(io, _WrappingCheckpointIO) else None
+
+
+def model_checkpoint_dir(callback: Any, trainer: Any) -> str:
+    """Where a ``ModelCheckpoint`` writes: its ``dirpath``, or before ``setup`` the directory
+    it will choose (the logger's, else ``default_root_dir/checkpoints``)."""
+    if callback.dirpath is not None:
+        return str(callback.dirpath)
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+def last_checkpoint_files(callback: Any, trainer: Any) -> list[str]:
+    """The ``last*.ckpt`` paths of a ``ModelCheckpoint``'s directory, as Lightning's own
+    ``ckpt_path="last"`` finds them."""
+    return [str(p) for p in callback._find_last_checkpoints(trainer)]
+
+
+def set_ckpt_path(trainer: Any, location: str) -> None:
+    """Make ``trainer.ckpt_path`` say which checkpoint was restored (``ModelCheckpoint`` never
+    deletes that one)."""
+    trainer._checkpoint_connector._ckpt_path = location
 
 
 def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,8 +14,9 @@ callback's engine on every rank together:
 * ``"best"``: the valid checkpoint with the best ``monitor`` value recorded in its manifest
   (``mode``), ranked like ``KeepBestK``; in this process or a fresh one.
 
-Every other ``ckpt_path``, and every trainer whose checkpoint callback is not ours, goes
-through Lightning's own code unchanged.
+A trainer whose ``CheckpointIO`` is ``ElasticCheckpointIO`` gets its own ``"last"`` (see
+:mod:`.checkpoint_io_rules`). Every other ``ckpt_path``, and every other trainer, goes through
+Lightning's own code unchanged.
 """
 
 from __future__ import annotations
@@ -60,9 +61,16 @@ def install_alias_parser() -> None:
 def _wrap(original: Any) -> Any:
     def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kw: Any) -> Any:
         if isinstance(ckpt_path, str) and ckpt_path in ALIASES:
-            alias = _alias(self.trainer, str(ckpt_path), str(getattr(state_fn, "value", state_fn)))
+            fn = str(getattr(state_fn, "value", state_fn))
+            alias = _alias(self.trainer, str(ckpt_path), fn)
             if alias is not None:
                 return alias
+            if ckpt_path == "last":  # ElasticCheckpointIO: the newest that verifies
+                from lightning_elastic.lightning.checkpoint_io_rules import last_checkpoint
+
+                last = last_checkpoint(self.trainer, fn)
+                if last is not None:
+                    return last
         return original(self, state_fn, ckpt_path, *args, **kw)
 
     return _parse_ckpt_path

@@ -34,7 +34,7 @@ import torch
 
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.load.consolidate import consolidate
-from lightning_elastic.core.storage.base import Storage
+from lightning_elastic.core.storage.base import Storage, local_path
 from lightning_elastic.errors import CheckpointNotFoundError
 from lightning_elastic.lightning._compat import wrap_checkpoint_loaders
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
@@ -51,14 +51,32 @@ def install_checkpoint_loader() -> None:
 
 
 def load_elastic_checkpoint(
-    path: str | os.PathLike[str], map_location: Any = None, weights_only: bool | None = None
+    path: str | os.PathLike[str],
+    map_location: Any = None,
+    weights_only: bool | None = None,
+    *,
+    verify: str = "full",
+    storage_options: dict[str, Any] | None = None,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Our checkpoint directory ``path`` as Lightning's checkpoint dict, consolidated in this
     process: what ``pl_load`` returns for it. ``weights_only=False`` (an explicit request to
     unpickle anything) loads it ``trusted``; a ``map_location`` that names a device (a string,
-    a ``torch.device``, or a dict mapping ``"cpu"``) moves the tensors there."""
+    a ``torch.device``, or a dict mapping ``"cpu"``) moves the tensors there. A save of
+    ``path`` that an ``ElasticCheckpointIO`` of this process has in flight is waited for."""
+    from lightning_elastic.lightning.checkpoint_io import finish_saves_of
+
+    finish_saves_of(path)
+    local = local_path(os.fspath(path))
+    if local is not None and os.path.islink(local):  # save_last="link": the path is a link
+        path = os.path.realpath(local)
     log.info("consolidating %s in this process", path)
-    checkpoint = consolidate(path, trusted=weights_only is False)
+    checkpoint = consolidate(
+        path,
+        verify=verify,
+        storage_options=storage_options,
+        trusted=trusted or weights_only is False,
+    )
     device = _target_device(map_location)
     if device is None:
         return checkpoint
@@ -69,6 +87,9 @@ def load_elastic_checkpoint(
 def _wrap(original: Any) -> Any:
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         if _is_path(path_or_url):
+            from lightning_elastic.lightning.checkpoint_io import finish_saves_of
+
+            finish_saves_of(path_or_url)  # trainer.save_checkpoint(p) then load_from_checkpoint(p)
             if is_elastic_checkpoint(path_or_url):
                 return load_elastic_checkpoint(path_or_url, map_location, weights_only)
             _refuse_root(os.fspath(path_or_url))

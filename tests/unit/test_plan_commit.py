@@ -286,6 +286,98 @@ def test_overwrite_of_a_new_name_is_a_plain_save(engine) -> None:
     assert result.name == "fresh"
 
 
+def test_an_overwrite_keeps_the_old_checkpoint_committed_until_its_own_commit(engine) -> None:
+    engine.save({"x": torch.ones(2)}, step=1, name="last").result()
+    ckpt = root(engine) / "last"
+    old_files = {p.name for p in ckpt.iterdir()}
+    handle = engine.save({"x": torch.full((2,), 5.0)}, step=2, name="last", overwrite=True)
+    # planned and claimed, maybe written: the old manifest was never removed meanwhile
+    assert json.loads((ckpt / MANIFEST_FILE).read_text())["step"] in (1, 2)
+    handle.result()
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    assert manifest["step"] == 2 and manifest["sequence"] == 2
+    # the replaced save's files went with the commit's cleanup: only the new one's are left
+    assert {p.name for p in ckpt.iterdir()} == {f["path"] for f in manifest["files"]} | {
+        MANIFEST_FILE
+    }
+    assert not old_files & {f["path"] for f in manifest["files"]}
+
+
+def test_an_overwrite_that_fails_before_its_commit_leaves_the_old_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    """A crash between the new files and the new manifest: the old checkpoint is what a
+    load finds; the next overwrite commits and removes what the crashed one left."""
+    from lightning_elastic.core.dist import commit as commit_module
+
+    eng = CheckpointEngine(tmp_path / "ckpts", coordinator=Coordinator.single_process())
+    eng.save({"x": torch.ones(2)}, step=1, name="last").result()
+
+    def crash(*args, **kwargs):
+        raise OSError("killed before the manifest")
+
+    monkeypatch.setattr(Storage, "replace_bytes", crash)
+    monkeypatch.setattr(commit_module, "discard_uncommitted", lambda *a, **k: None)  # no cleanup
+    with pytest.raises(CheckpointSaveError, match="killed before the manifest"):
+        eng.save({"x": torch.full((2,), 5.0)}, step=2, name="last", overwrite=True).result()
+    monkeypatch.undo()
+    ckpt = root(eng) / "last"
+    assert len(list(ckpt.glob("*.distcp"))) == 2  # the old save's and the crashed one's
+    loaded = {"x": torch.zeros(2)}
+    eng.load(loaded, checkpoint="last")
+    assert torch.equal(loaded["x"], torch.ones(2))
+    eng.save({"x": torch.full((2,), 7.0)}, step=3, name="last", overwrite=True).result()
+    assert len(list(ckpt.glob("*.distcp"))) == 1
+    eng.load(loaded, checkpoint="last")
+    assert torch.equal(loaded["x"], torch.full((2,), 7.0))
+    eng.close()
+
+
+def test_an_overwrite_that_fails_to_write_leaves_the_old_checkpoint_and_no_new_files(
+    tmp_path,
+) -> None:
+    from fsspec.implementations.local import LocalFileSystem
+
+    from lightning_elastic import RetryPolicy
+    from lightning_elastic.testing.faults import Fault, FaultyFileSystem
+
+    fs = FaultyFileSystem(LocalFileSystem(), [Fault("write", "*.distcp", "EACCES", skip=1)])
+    retry = RetryPolicy(deadline_s=0.5, initial_backoff_s=0.01, max_backoff_s=0.01)
+    eng = CheckpointEngine(
+        storage=Storage(str(tmp_path), fs=fs, retry=retry),
+        coordinator=Coordinator.single_process(),
+    )
+    eng.save({"x": torch.ones(2)}, step=1, name="last").result()
+    before = sorted(p.name for p in (tmp_path / "last").glob("*.distcp"))
+    with pytest.raises(CheckpointSaveError):
+        eng.save({"x": torch.zeros(2)}, step=2, name="last", overwrite=True, blocking=True)
+    assert sorted(p.name for p in (tmp_path / "last").glob("*.distcp")) == before
+    assert [(i.name, i.step, str(i.status)) for i in eng.list()] == [("last", 1, "valid")]
+    eng.close()
+
+
+def test_overwriting_a_quarantined_checkpoint_commits_a_valid_one(engine) -> None:
+    engine.save({"x": torch.ones(2)}, step=1, name="last").result()
+    engine.catalog.quarantine("last", "x.distcp", "checksum mismatch")
+    engine.save({"x": torch.full((2,), 3.0)}, step=2, name="last", overwrite=True).result()
+    assert [(i.name, i.step, str(i.status)) for i in engine.list()] == [("last", 2, "valid")]
+
+
+def test_hostile_a_named_save_never_writes_into_a_directory_that_is_not_a_checkpoint(
+    engine,
+) -> None:
+    """Its commit's cleanup removes every file the manifest does not list: a user's folder of
+    that name would be emptied. Refused, with or without overwrite, naming what is there."""
+    folder = root(engine) / "results"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointExistsError, match=r"not a checkpoint of ours .*notes\.txt"):
+            engine.save({"x": torch.ones(2)}, step=1, name="results", overwrite=overwrite)
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+    engine.save({"x": torch.ones(2)}, step=1, name="empty").result()  # a new name: fine
+
+
 @pytest.fixture
 def parts(tmp_path) -> tuple[SaveTarget, RunState]:
     """What the phases of one save take, as an engine of one process makes them."""

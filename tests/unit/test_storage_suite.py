@@ -112,6 +112,17 @@ def test_exclusive_create_refuses_existing(storage: Storage) -> None:
     assert storage.read_bytes("m.json") == b"third"
 
 
+def test_replace_bytes_swaps_the_whole_file_and_leaves_no_temporary_name(
+    storage: Storage,
+) -> None:
+    storage.write_bytes("d/m.json", b"old", exclusive=True)
+    written = storage.replace_bytes("d/m.json", b"the new one")
+    assert written.size == 11
+    assert storage.read_bytes("d/m.json") == b"the new one"
+    storage.replace_bytes("d/fresh.json", b"1")  # nothing to replace: a plain write
+    assert sorted(e.name for e in storage.listdir("d")) == ["fresh.json", "m.json"]
+
+
 def test_missing_file_is_typed_and_names_path(storage: Storage) -> None:
     with pytest.raises(StorageNotFoundError) as info:
         storage.read_bytes("nope/file")

@@ -166,8 +166,9 @@ class _Commit:
 def _write_manifest(
     target: SaveTarget, run: RunState, planned: PlannedSave, ckpt: Storage, body: _Commit
 ) -> Manifest:
-    """Rank 0: the manifest, written last with exclusive create (the commit), after the lease
-    check (a newer job of this run wins: refuse)."""
+    """Rank 0: the manifest, written last with exclusive create (the commit), or replacing the
+    manifest of the checkpoint this save replaces, after the lease check (a newer job of this
+    run wins: refuse)."""
     request, config, ranks, lease = planned.request, target.config, body.ranks, run.lease
     now = time.monotonic()
     manifest = Manifest(
@@ -199,7 +200,11 @@ def _write_manifest(
     )
     if lease is not None:
         check_lease(target.storage, lease)
-    ckpt.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), exclusive=True)
+    if planned.replaces:  # the old checkpoint stays committed up to this very write
+        ckpt.replace_bytes(MANIFEST_FILE, manifest.to_json().encode())
+        target.catalog.forget(planned.name)
+    else:
+        ckpt.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), exclusive=True)
     return manifest
 
 

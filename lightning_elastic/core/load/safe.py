@@ -39,7 +39,9 @@ from lightning_elastic.errors import UnsafeObjectError  # re-exported: it lived 
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "PATH_CLASSES",
     "UnsafeObjectError",
+    "load_file",
     "load_object",
     "warn_trusted",
 ]
@@ -67,7 +69,14 @@ def _numpy(attr: str) -> _Candidates:
     return (("numpy._core.multiarray", attr), ("numpy.core.multiarray", attr))
 
 
-_PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path", "PurePath")
+PATH_CLASSES = (
+    "PosixPath",
+    "WindowsPath",
+    "PurePosixPath",
+    "PureWindowsPath",
+    "Path",
+    "PurePath",
+)
 _OMEGACONF = (
     "omegaconf.dictconfig.DictConfig",
     "omegaconf.listconfig.ListConfig",
@@ -105,9 +114,9 @@ ALLOWED_GLOBALS: dict[str, _Candidates] = {
     # plain values users and callbacks keep in their states
     **{f"datetime.{t}": _same(f"datetime.{t}") for t in ("timedelta", "datetime", "date", "time")},
     "datetime.timezone": _same("datetime.timezone"),
-    **{f"pathlib.{cls}": _same(f"pathlib.{cls}") for cls in _PATHS},
+    **{f"pathlib.{cls}": _same(f"pathlib.{cls}") for cls in PATH_CLASSES},
     # Python 3.13 defines the path classes in pathlib._local
-    **{f"pathlib._local.{cls}": (("pathlib", cls),) for cls in _PATHS},
+    **{f"pathlib._local.{cls}": (("pathlib", cls),) for cls in PATH_CLASSES},
 }
 
 
@@ -188,10 +197,40 @@ def load_object(value: io.BytesIO, fqn: str, *, trusted: bool = False) -> Any:
         raise UnsafeObjectError(fqn, (), _unpickler_reason(exc)) from None
 
 
-def _globals_beyond_torch_defaults(value: io.BytesIO, fqn: str) -> list[str]:
-    """Every global the pickle in ``value`` names that torch's own defaults do not allow, read
-    statically (nothing runs); the user's ``add_safe_globals`` entries are set aside for the
-    scan so that names they share with :data:`ALLOWED_GLOBALS` are seen too."""
+def load_file(path: str, *, trusted: bool = False) -> Any:
+    """A whole ``torch.save`` file (a Lightning ``.ckpt``), tensors on the CPU and memory-mapped
+    when the file allows, its objects loaded as :func:`load_object` loads one (the error names
+    ``path``)."""
+    if trusted:
+        warn_trusted(path)
+        return _torch_load(path, weights_only=False)
+    names = _globals_beyond_torch_defaults(path, path)
+    user = {_name(entry) for entry in torch.serialization.get_safe_globals()}
+    refused = sorted(name for name in names if name not in ALLOWED_GLOBALS and name not in user)
+    if refused:
+        raise UnsafeObjectError(path, refused)
+    entries = [entry for name in names if name in ALLOWED_GLOBALS for entry in _resolve(name)]
+    try:
+        with _scoped_safe_globals(entries):
+            return _torch_load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeObjectError(path, (), _unpickler_reason(exc)) from None
+
+
+def _torch_load(path: str, *, weights_only: bool) -> Any:
+    try:  # mapped: a large checkpoint is not read into memory twice
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)  # legacy format
+
+
+def _globals_beyond_torch_defaults(value: io.BytesIO | str, fqn: str) -> list[str]:
+    """Every global the pickle in ``value`` (a buffer or a file's path) names that torch's own
+    defaults do not allow, read statically (nothing runs); the user's ``add_safe_globals``
+    entries are set aside for the scan so that names they share with :data:`ALLOWED_GLOBALS`
+    are seen too."""
     with _lock:
         user = torch.serialization.get_safe_globals()
         torch.serialization.clear_safe_globals()
@@ -202,7 +241,8 @@ def _globals_beyond_torch_defaults(value: io.BytesIO, fqn: str) -> list[str]:
             raise UnsafeObjectError(fqn, (), f"not a torch.save archive: {exc}") from None
         finally:
             torch.serialization.add_safe_globals(user)
-            value.seek(0)
+            if not isinstance(value, str):
+                value.seek(0)
 
 
 def _name(entry: Any) -> str:

@@ -125,14 +125,14 @@ def plan_save(
         and (local is cache.local or _same(local, cache.local))
     )
 
-    attempt, save_int, name_error = 0, 0, None
+    attempt, save_int, name_error, replaces = 0, 0, None, False
     if coord.is_coordinator:
         try:
             if run.lease is None or run.lease.run_id != run.run_id:
                 run.lease = take_lease(target.storage, run.run_id)
             save_int = secrets.randbits(63)
             record = StagingRecord(run.run_id, f"{save_int:016x}", request.step, time.time())
-            attempt = _claim(target, run.reserved_names, request, record)
+            attempt, replaces = _claim(target, run.reserved_names, request, record)
         except Exception as exc:
             name_error = exc
     changed, attempt, save_int = coord.max_ints(
@@ -186,6 +186,7 @@ def plan_save(
         deadline=started + target.config.timeout_s,
         cached=not changed,
         cache=cache,
+        replaces=replaces,
     )
 
 
@@ -247,30 +248,57 @@ def _name(request: SaveRequest, attempt: int) -> str:
     return checkpoint_name(request.step, attempt)
 
 
+def _refuse_foreign(storage: Storage, name: str) -> None:
+    """A named save into a directory that holds something, none of it ours (a user's folder
+    of that name, another tool's checkpoint), would have its commit's cleanup delete all of
+    it: refused, naming what is there."""
+    entries = storage.listdir(name)
+    if entries and not holds_checkpoint_files(e.name for e in entries if not e.is_dir):
+        shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise CheckpointExistsError(
+            f"{storage.display(name)} is a directory that is not a checkpoint of ours (it holds "
+            f"{shown}); a save under that name would delete its contents: move it away or "
+            "choose another name"
+        )
+
+
 def _claim(
     target: SaveTarget, reserved: Collection[str], request: SaveRequest, record: StagingRecord
-) -> int:
+) -> tuple[int, bool]:
     """Rank 0: claim the save's directory by creating its staging record exclusively (and
     durably), so no two saves - of this job, a stale copy of it, or another run sharing the
     root - ever write into one directory. Returns 0 for the plain name, n for ``-n``: a
     directory that holds a checkpoint (committed, quarantined, or an abandoned branch's) or
-    another save's claim is never written again."""
+    another save's claim is never written again; and whether the save replaces a committed
+    checkpoint (an explicit name with ``overwrite``).
+
+    A replaced checkpoint stays committed until the new manifest replaces its own
+    (:meth:`Storage.replace_bytes`): its files and the new save's have save-unique names, so
+    both live in the directory meanwhile, and a crash leaves the old checkpoint or the new
+    one, never neither (the new one's files, or the old one's after the commit, are strays
+    that the commit's cleanup removes). A quarantined one is uncommitted first: there is
+    nothing worth keeping, and its quarantine record would condemn the new manifest too."""
     storage = target.storage
     body = record.to_json().encode()
     if request.name is not None:
         name = request.name.strip("/")
+        replaces = False
+        _refuse_foreign(storage, name)
         if storage.exists(f"{name}/{MANIFEST_FILE}"):
             if not request.overwrite:
                 raise CheckpointExistsError(
                     f"{storage.display(name)} already holds a committed checkpoint; "
                     "pass overwrite=True to replace it or choose another name"
                 )
-            storage.delete(f"{name}/{MANIFEST_FILE}")  # uncommit first, then replace
+            replaces = not storage.exists(f"{name}/{QUARANTINE_FILE}")
+            if not replaces:
+                storage.delete(f"{name}/{MANIFEST_FILE}")  # uncommit first, then replace
+                storage.delete(f"{name}/{QUARANTINE_FILE}")
             target.catalog.forget(name)
         if request.overwrite:
             storage.delete(f"{name}/{STAGING_FILE}")  # the replaced save's (or a crashed) claim
         storage.write_bytes(f"{name}/{STAGING_FILE}", body, exclusive=True)
-        return 0
+        return 0, replaces
     for attempt in range(1000):
         name = checkpoint_name(request.step, attempt)
         if name in reserved:
@@ -284,7 +312,7 @@ def _claim(
         if not _claimed_alone(storage, name):
             storage.delete(f"{name}/{STAGING_FILE}")  # give it back untouched
             continue
-        return attempt
+        return attempt, False
     raise CheckpointExistsError(f"too many checkpoints of step {request.step}")
 
 

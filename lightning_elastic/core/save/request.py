@@ -220,6 +220,9 @@ class PlannedSave:
     deadline: float
     cached: bool = False
     cache: PlanCache | None = None  # for the next plan_save of this rank
+    # rank 0 only: the save replaces the committed checkpoint of its name (overwrite), whose
+    # manifest its own replaces at the commit
+    replaces: bool = False
 
 
 @dataclass(frozen=True)

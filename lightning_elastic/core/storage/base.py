@@ -155,6 +155,13 @@ class Storage:
         """Write ``data`` to ``rel`` (see :meth:`write_stream`)."""
         return self.write_stream(rel, lambda: (data,), exclusive=exclusive, durable=durable)
 
+    def replace_bytes(self, rel: str, data: Buffer) -> Written:
+        """Write ``data`` to ``rel`` durably, replacing the file there as one step: a reader
+        (or a crash) sees the previous bytes or all of the new ones, never a part. What
+        commits a save that replaces a checkpoint under the same name: its new manifest."""
+        written: Written = self._call("write", rel, lambda: self._replace(self.full(rel), data))
+        return written
+
     def delete_tree(self, rel: str) -> None:
         """Delete a directory and everything below it; missing is not an error. Symbolic
         links are removed, never followed. What is written into it meanwhile (after the
@@ -250,6 +257,9 @@ class Storage:
         :meth:`delete` never does, since a writer that still holds a file (a stale copy of the
         job, a straggler of a failed save) would keep writing into it."""
         self.delete(rel)
+
+    def _replace(self, path: str, data: Buffer) -> Written:
+        raise NotImplementedError
 
     def _rmdir(self, path: str) -> None:
         """Remove the directory at the backend path ``path`` if it exists and is empty (else

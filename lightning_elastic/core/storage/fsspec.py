@@ -168,6 +168,29 @@ class FsspecStorage(Storage):
                     fs.rm_file(tmp)
         return written
 
+    def _replace(self, path: str, data: Buffer) -> Written:
+        """Object stores: one PUT (an object appears whole, old or new). Other filesystems
+        show a file while it is written: a temporary name, then moved over ``path``."""
+        fs = self.fs
+        parent = path.rsplit("/", 1)[0]
+        if self.is_object_store:
+            with fs.open(path, "wb") as handle:
+                written = drain((data,), None, handle.write)
+            fs.invalidate_cache(parent)
+            return written
+        fs.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            with fs.open(tmp, "wb") as handle:
+                written = drain((data,), None, handle.write)
+            fs.mv(tmp, path)
+        finally:
+            with contextlib.suppress(Exception):
+                if fs.exists(tmp):
+                    fs.rm_file(tmp)
+        fs.invalidate_cache(parent)
+        return written
+
     # ------------------------------------------------------------------ reads
 
     def read_bytes(self, rel: str, start: int = 0, length: int | None = None) -> bytes:

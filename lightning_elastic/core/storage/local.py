@@ -253,6 +253,20 @@ class LocalStorage(Storage):
         written: Written = self._call("write", rel, write)
         return written
 
+    def _replace(self, path: str, data: Buffer) -> Written:
+        """A temporary name beside ``path``, written and fsynced, renamed over it (``rename``
+        replaces atomically), then the directory fsynced."""
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        written = _write(tmp, (data,), None, True, published=False)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(os.path.dirname(path))
+        return written
+
     # ------------------------------------------------------------------ reads
 
     def read_bytes(self, rel: str, start: int = 0, length: int | None = None) -> bytes:
