@@ -57,14 +57,21 @@ class TensorChanged(RuntimeError):
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """What identifies the memory a tensor (or any view of it) lives in: its storage's address
-    (0 for an empty one). A DTensor is keyed by its local shard."""
-    local = getattr(tensor, "_local_tensor", None)
-    t = local if isinstance(local, torch.Tensor) else tensor
+    """What identifies the memory a tensor (or any view of it) lives in: the address where its
+    storage starts (0 for none). A DTensor is keyed by its local shard. Computed from the
+    tensor's own address and offset: asking for its storage costs 5x more (20,000 tensors:
+    30 ms per save against 6)."""
+    t = tensor
+    if type(t) not in _PLAIN:
+        local = getattr(t, "_local_tensor", None)
+        t = local if isinstance(local, torch.Tensor) else t
     try:
-        return int(t.untyped_storage().data_ptr())
+        return int(t.data_ptr() - t.storage_offset() * t.element_size())
     except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, fake)
         return 0
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class LazyRule:
@@ -127,6 +134,11 @@ class LazySnapshot:
         self.waited_s = 0.0  # the training thread, in wait()
         self.failed: str | None = None  # why the copy is not the save point's state
         self._event = _save_point_event(self._sources)
+        # the counters when the training thread first reached a guard, if that was before the
+        # writer's last check: every in-place op it issued before had ended by then
+        self._at_guard: list[int] | None = None
+        self._checked = False
+        self._waiting_since: float | None = None
 
     @property
     def done(self) -> bool:
@@ -134,15 +146,25 @@ class LazySnapshot:
         return self._done.is_set()
 
     def wait(self) -> float:
-        """Training thread: block until the copy has ended; the seconds waited (0 when done)."""
-        if self._done.is_set():
-            return 0.0
-        start = time.monotonic()
-        self._done.wait()
-        waited = time.monotonic() - start
+        """Training thread: block until the copy has ended; the seconds waited (0 when done).
+        The writer thread adds the wait to :attr:`waited_s` as it ends the copy, so a result
+        built right after counts it."""
         with self._lock:
-            self.waited_s += waited
-        return waited
+            if self._at_guard is None and not self._checked:
+                self._at_guard = [version_counter(s) for s in self._sources]
+            if self._done.is_set():
+                return 0.0
+            start = self._waiting_since = time.monotonic()
+        self._done.wait()
+        return time.monotonic() - start
+
+    def _finish(self) -> None:
+        """Writer thread: the copy ended; release the waiter and count its wait."""
+        with self._lock:
+            if self._waiting_since is not None:
+                self.waited_s += time.monotonic() - self._waiting_since
+                self._waiting_since = None
+            self._done.set()
 
     def run(self) -> None:
         """Writer thread: copy every source into its target, batch by batch, comparing the
@@ -159,21 +181,30 @@ class LazySnapshot:
             raise
         finally:
             self.copy_s = time.monotonic() - start
-            self._done.set()
             self._event = None
+            self._finish()
 
     def end(self) -> None:
         """Writer thread, when the save ends however it ends: no guard waits any longer (a
         save that failed before its copy ran)."""
         if not self._done.is_set():
             self.failed = self.failed or "the save ended before its copy ran"
-            self._done.set()
+            self._finish()
 
     def check(self) -> None:
         """Writer thread, after the write: raise :class:`TensorChanged` if any source changed
-        since the save point (an in-place update still running while its tensor was copied
-        counts only once it ends; this last look catches one that ended during the write)."""
-        self._check(0, len(self._sources))
+        since the save point. An in-place update still running while its tensor was copied
+        bumps the counter only when it ends; this last look catches one that ended during the
+        write. Once the training thread reached a guard, the counters as they were then are
+        compared instead (what the guarded step changes afterwards is no change of the copy)."""
+        with self._lock:
+            self._checked = True
+            seen = self._at_guard
+            if seen is None:
+                seen = [version_counter(s) for s in self._sources]
+        for k, now in enumerate(seen):
+            if now != self._versions[k]:
+                raise TensorChanged(self._changed(k, now))
 
     def release(self) -> None:
         """Drop the references to the live tensors (after the write)."""
@@ -184,11 +215,13 @@ class LazySnapshot:
         for k in range(lo, hi):
             now = version_counter(self._sources[k])
             if now != self._versions[k]:
-                raise TensorChanged(
-                    f"{self._fqns[k]} changed in place between the save point and its lazy "
-                    f"copy (version {self._versions[k]} -> {now}); the save would mix two "
-                    "states"
-                )
+                raise TensorChanged(self._changed(k, now))
+
+    def _changed(self, k: int, now: int) -> str:
+        return (
+            f"{self._fqns[k]} changed in place between the save point and its lazy copy "
+            f"(version {self._versions[k]} -> {now}); the save would mix two states"
+        )
 
 
 def _batches(targets: Sequence[torch.Tensor]) -> Iterable[tuple[int, int]]:
