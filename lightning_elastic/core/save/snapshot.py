@@ -131,7 +131,7 @@ class LazySnapshot:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self.copy_s = 0.0  # the writer thread's copy
-        self.waited_s = 0.0  # the training thread, in wait()
+        self.waited_s = 0.0  # what guards waited for the copy (counted as it ends)
         self.failed: str | None = None  # why the copy is not the save point's state
         self._event = _save_point_event(self._sources)
         # the counters when the training thread first reached a guard, if that was before the
