@@ -32,6 +32,12 @@ round trip within a region). Measured in one invocation:
   - ``cpu``: the step is matmuls on the host, one core per rank: training and every
     background thread (writes, replication, persist) compete for the same 2 cores. This
     bounds what a CPU-only job sees, not a GPU job.
+  With ``--snapshots blocking,lazy`` (the default) every round has one window per snapshot
+  mode (``CheckpointEngine(snapshot=...)``, switched between windows on one engine), so both
+  are measured against the same no-checkpoint windows in one run. The step's in-place update
+  of the state stands for the optimizer step: it first calls ``engine.wait_snapshot()`` (the
+  guard), whose waits count as that save's blocked time. Per mode: the ratio, the blocked
+  seconds per save and the staging copy's seconds per save (``SaveResult.staging_s``).
 * **memory**: each local root's bytes (du) at the end and the most seen during training,
   against ``state / nodes x (1 + replicas) x local_keep`` (and ``x (local_keep + 1)`` while a
   save is written), and each rank's peak RSS.
@@ -97,6 +103,7 @@ class Config:
     steps: tuple[str, ...]  # the kinds of step measured ("accelerator", "cpu")
     save_every_s: float
     window_s: float
+    snapshots: tuple[str, ...]  # the snapshot modes measured ("blocking", "lazy")
     rounds: int
     persistent: str  # the throttled:// URL
     local_base: str
@@ -190,6 +197,8 @@ class Trainer:
         self.c = torch.empty(MATMUL, MATMUL)
         self.grad = torch.zeros(256 * 1024)
         self.step = 0
+        self.guard: Callable[[], float] | None = None  # engine.wait_snapshot, while saving
+        self.guard_s = 0.0  # what the guard waited since the last save
         self.matmuls = 10
         self()  # untimed: first-call costs
         if kind == "accelerator":
@@ -210,6 +219,8 @@ class Trainer:
                 torch.mm(self.a, self.b, out=self.c)
         self.grad[0], self.grad[1] = float(save), float(stop)
         dist.all_reduce(self.grad)
+        if self.guard is not None:  # the optimizer step: a lazy snapshot's copy must be done
+            self.guard_s += self.guard()
         first = self.state["w0"].to_local()
         first[self.step % first.shape[0], 0] += 1.0  # the state changes between saves
         self.step += 1
@@ -221,6 +232,7 @@ def run_window(train: Trainer, engine: Any, cfg: Config, root: str) -> dict[str,
     call, rank 0's clock) when ``engine`` is given."""
     lead = dist.get_rank() == 0
     blocked, handles, step_s, local_peak = [], [], [], 0
+    train.guard = None if engine is None else engine.wait_snapshot
     dist.barrier()
     t0 = last = time.perf_counter()
     while True:
@@ -228,6 +240,9 @@ def run_window(train: Trainer, engine: Any, cfg: Config, root: str) -> dict[str,
         due = engine is not None and ts - last >= cfg.save_every_s
         save, stop = train(lead and due, lead and ts - t0 >= cfg.window_s)
         if save:
+            if blocked:  # the previous save's guard waits are its blocked time too
+                blocked[-1] += train.guard_s
+            train.guard_s = 0.0
             last = time.perf_counter()
             handles.append(engine.save(train.state, step=train.step))
             blocked.append(time.perf_counter() - last)
@@ -237,6 +252,9 @@ def run_window(train: Trainer, engine: Any, cfg: Config, root: str) -> dict[str,
         if stop:
             break
     elapsed = time.perf_counter() - t0
+    if blocked:
+        blocked[-1] += train.guard_s
+    train.guard, train.guard_s = None, 0.0
     drain = 0.0
     if engine is not None:  # outside the rate: steady training would overlap it
         td = time.perf_counter()
@@ -252,6 +270,8 @@ def run_window(train: Trainer, engine: Any, cfg: Config, root: str) -> dict[str,
         "saves": len(handles),
         "blocked_s": blocked,  # the save call, as the training loop sees it
         "engine_blocked_s": [r.blocked_s for r in results],
+        "staging_s": [r.staging_s for r in results],
+        "snapshot": [r.snapshot for r in results],
         "commit_s": [r.total_s for r in results],
         "drain_s": drain,
         "local_peak_bytes": local_peak,
@@ -325,9 +345,14 @@ def train_worker(cfg: Config) -> dict[str, Any]:
     for kind, train in trainers.items():
         marks = {key: len(times) for key, times in timers.items()}
         train.step = step  # one run of steps: save names keep rising
-        for _ in range(cfg.rounds):
-            for variant in ("none", "ckpt"):
-                use = engine if variant == "ckpt" else None
+        for r in range(cfg.rounds):
+            modes = (
+                cfg.snapshots[r % len(cfg.snapshots) :] + cfg.snapshots[: r % len(cfg.snapshots)]
+            )
+            for variant in ("none", *modes):  # modes rotated: neither always follows "none"
+                use = None
+                if variant != "none":
+                    use, engine.snapshot = engine, variant
                 run = run_window(train, use, cfg, root)
                 windows.append({"kind": kind, "variant": variant, **run})
         step = train.step
@@ -432,7 +457,9 @@ def run_recoveries(cfg: Config, expected: list[list[float]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- report
 
 
-def summarize_throughput(train: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+def summarize_throughput(
+    train: list[dict[str, Any]], kind: str, modes: tuple[str, ...]
+) -> dict[str, Any]:
     def windows(variant: str) -> list[list[dict[str, Any]]]:
         return [
             [w for w in res["windows"] if w["variant"] == variant and w["kind"] == kind]
@@ -444,30 +471,40 @@ def summarize_throughput(train: list[dict[str, Any]], kind: str) -> dict[str, An
             sum(w["steps"] for w in ws) / sum(w["seconds"] for w in ws) for ws in windows(variant)
         )
 
-    ckpt = [w for ws in windows("ckpt") for w in ws]
-    blocked = sorted(b for w in ckpt for b in w["blocked_s"])
-    saves = sum(w["saves"] for w in ckpt) // len(train)
     # per save, the slower rank's mean seconds in each part (the persister: per persist)
     parts = {
         key: max(statistics.mean(res["save_parts"][kind][key] or [0.0]) for res in train)
         for key in SAVE_PARTS
     }
-    none_rate, ckpt_rate = rate("none"), rate("ckpt")
-    return {
+    none_rate = rate("none")
+    out: dict[str, Any] = {
         "step_s_none": statistics.median(w["step_s_median"] for ws in windows("none") for w in ws),
         "steps_per_s_none": none_rate,
-        "steps_per_s_ckpt": ckpt_rate,
-        "ratio": ckpt_rate / none_rate,
-        "saves_per_rank": saves,
-        "save_interval_s": sum(w["seconds"] for w in ckpt) / len(train) / max(1, saves),
-        "blocked_s_median": statistics.median(blocked),
-        "blocked_s_p95": blocked[int(0.95 * (len(blocked) - 1))],
-        "blocked_s_max": blocked[-1],
-        "commit_s_median": statistics.median(c for w in ckpt for c in w["commit_s"]),
-        "drain_s_max": max(w["drain_s"] for w in ckpt),
         "parts_s": parts,
         "persists": len(train[0]["save_parts"][kind]["runtime.persist_checkpoint"]),
+        "modes": {},
     }
+    for mode in modes:
+        ckpt = [w for ws in windows(mode) for w in ws]
+        blocked = sorted(b for w in ckpt for b in w["blocked_s"])
+        staging = [s for w in ckpt for s in w["staging_s"]]
+        saves = sum(w["saves"] for w in ckpt) // len(train)
+        ckpt_rate = rate(mode)
+        out["modes"][mode] = {
+            "steps_per_s_ckpt": ckpt_rate,
+            "ratio": ckpt_rate / none_rate,
+            "saves_per_rank": saves,
+            "save_interval_s": sum(w["seconds"] for w in ckpt) / len(train) / max(1, saves),
+            "blocked_s_median": statistics.median(blocked),
+            "blocked_s_p95": blocked[int(0.95 * (len(blocked) - 1))],
+            "blocked_s_max": blocked[-1],
+            "staging_s_median": statistics.median(staging),
+            "blocked_over_staging": statistics.median(blocked) / statistics.median(staging),
+            "snapshots": sorted({m for w in ckpt for m in w["snapshot"]}),
+            "commit_s_median": statistics.median(c for w in ckpt for c in w["commit_s"]),
+            "drain_s_max": max(w["drain_s"] for w in ckpt),
+        }
+    return out
 
 
 def summarize_memory(
@@ -556,15 +593,19 @@ def print_throughput(
             if w["kind"] == kind
         )
     )
-    print(
-        f"  steps/s none {thr['steps_per_s_none']:.2f}, with saves {thr['steps_per_s_ckpt']:.2f}: "
-        f"ratio {thr['ratio']:.3f} (target >= {RATIO_TARGET}) {verdict(thr['ratio'] >= RATIO_TARGET)}"
-    )
-    print(
-        f"  {thr['saves_per_rank']} saves/rank, one per {thr['save_interval_s']:.1f} s; save call blocked "
-        f"median {thr['blocked_s_median']:.3f} s, p95 {thr['blocked_s_p95']:.3f} s, max "
-        f"{thr['blocked_s_max']:.3f} s; save to local commit median {thr['commit_s_median']:.2f} s"
-    )
+    for mode, m in thr["modes"].items():
+        print(
+            f"  {mode:<9} steps/s none {thr['steps_per_s_none']:.2f}, with saves "
+            f"{m['steps_per_s_ckpt']:.2f}: ratio {m['ratio']:.3f} (target >= {RATIO_TARGET}) "
+            f"{verdict(m['ratio'] >= RATIO_TARGET)}"
+        )
+        print(
+            f"  {'':<9} {m['saves_per_rank']} saves/rank, one per {m['save_interval_s']:.1f} s; "
+            f"blocked per save (call + guard waits) median {m['blocked_s_median']:.3f} s, p95 "
+            f"{m['blocked_s_p95']:.3f} s, max {m['blocked_s_max']:.3f} s; staging copy median "
+            f"{m['staging_s_median']:.3f} s: blocked = {m['blocked_over_staging']:.2f} x the copy; "
+            f"save to local commit median {m['commit_s_median']:.2f} s ({', '.join(m['snapshots'])})"
+        )
     warm = [max(ws) for ws in zip(*(t["warmup_s"] for t in train), strict=True)]
     print(
         f"  before the windows, {len(warm)} warm-up saves (the first persisted), save call to "
@@ -623,6 +664,11 @@ def parse_args() -> argparse.Namespace:
         "--no-recovery", action="store_true", help="measure training only (no recovery scenarios)"
     )
     parser.add_argument("--save-every-s", type=float, default=2.0)
+    parser.add_argument(
+        "--snapshots",
+        default="blocking,lazy",
+        help="snapshot modes to measure, comma-separated, each in its own windows",
+    )
     parser.add_argument("--window", type=float, default=30.0, help="seconds per window")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/tiers.json")
@@ -646,6 +692,7 @@ def main() -> None:
         steps=tuple(k for k in args.steps.split(",") if k),
         save_every_s=args.save_every_s,
         window_s=args.window,
+        snapshots=tuple(m for m in args.snapshots.split(",") if m),
         rounds=args.rounds,
         persistent=f"throttled://{remote}",
         local_base=local_base,
@@ -670,7 +717,9 @@ def main() -> None:
         "config": {**asdict(cfg), "cores": os.cpu_count()},
         "targets": {"recovery_speedup": RECOVERY_TARGET, "throughput_ratio": RATIO_TARGET},
         "recovery": recovery,
-        "throughput": {kind: summarize_throughput(train, kind) for kind in cfg.steps},
+        "throughput": {
+            kind: summarize_throughput(train, kind, cfg.snapshots) for kind in cfg.steps
+        },
         "memory": summarize_memory(cfg, train, scenarios),
         "train": train,
         "runtime_s": time.perf_counter() - started,

@@ -43,6 +43,8 @@ __all__ = [
     "PerRankStateError",
     "ReplicaGroupError",
     "SaveTimeoutError",
+    "SnapshotChangedError",
+    "SnapshotFallbackWarning",
     "StaleWriterError",
     "StorageError",
     "StorageFullError",
@@ -308,6 +310,12 @@ class ForkingWorkersWarning(UserWarning):
     in the background, on a Python where a forked worker can hang (CPython gh-112275)."""
 
 
+class SnapshotFallbackWarning(RuntimeWarning):
+    """A lazy snapshot saw a tensor change between the save point and its copy: that save was
+    not committed (it would have been a mixed state) and the engine's saves take blocking
+    snapshots from then on (warned once per engine; docs/guarantees.md)."""
+
+
 class CheckpointMismatchError(ConfigError):
     """The checkpoint was written by a different model or experiment than the one being
     trained (other parameter names or shapes, other hyperparameters); the message names the
@@ -475,6 +483,13 @@ class CheckpointSaveError(DistributedFailure):
 class StaleWriterError(CheckpointSaveError):
     """A newer job writes this run (it took a newer lease generation): this job's commit was
     refused, on every rank. The message names both writers; stop this copy of the job."""
+
+
+class SnapshotChangedError(CheckpointSaveError):
+    """A lazy snapshot's tensor changed in place between the save point and its copy (a
+    change outside the guarded optimizer step): the save was not committed on any rank, as
+    it would have mixed two states. Not fatal to training: the engine takes blocking
+    snapshots from then on and says so once (:class:`SnapshotFallbackWarning`)."""
 
 
 class CheckpointLoadError(DistributedFailure):

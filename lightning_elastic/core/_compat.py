@@ -31,6 +31,7 @@ __all__ = [
     "tcp_store_class",
     "torchrun_entry",
     "unmet",
+    "version_counter",
 ]
 
 # (module, attribute path): what each function below reaches into.
@@ -60,6 +61,9 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     # copied in one (staging, core/save/stage.py)
     ("torch._utils", "_flatten_dense_tensors"),
     ("torch", "_foreach_copy_"),
+    # a tensor's in-place version counter (shared by its views): a lazy snapshot detects a
+    # tensor changed between the save point and its copy (core/save/snapshot.py)
+    ("torch", "Tensor._version"),
     # the launcher: torchrun's own argument parsing and run, with our agent class in place of
     # LocalElasticAgent (whose _monitor_workers it extends; SimpleElasticAgent keeps the
     # failure budget in the instance attribute _remaining_restarts, checked by the launcher
@@ -210,6 +214,12 @@ def foreach_copy(targets: list[Any], sources: list[Any]) -> None:
     import torch
 
     torch._foreach_copy_(targets, sources)
+
+
+def version_counter(tensor: Any) -> int:
+    """How many in-place changes ``tensor`` (or a view of its data) has seen. Changes made
+    through ``.data`` are not counted: autograd gives ``.data`` a counter of its own."""
+    return int(tensor._version)
 
 
 def torchrun_entry() -> tuple[Any, Any, Any]:

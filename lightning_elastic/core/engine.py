@@ -20,10 +20,12 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_elastic.core.dist.coordinator import Coordinator
@@ -43,12 +45,18 @@ from lightning_elastic.core.save.pipeline import stage_save
 from lightning_elastic.core.save.plan import PlanCache, plan_save
 from lightning_elastic.core.save.replicated import ReplicationCheck
 from lightning_elastic.core.save.request import RunState, SaveConfig, SaveResult
+from lightning_elastic.core.save.snapshot import SNAPSHOT_MODES, LazyRule, LazySnapshot
 from lightning_elastic.core.save.stage import HostArena
 from lightning_elastic.core.save.state import checked_request, state_to_save
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM
 from lightning_elastic.core.tiers.restore import Recovery
-from lightning_elastic.errors import CheckpointLoadError, ConfigError, Phase
+from lightning_elastic.errors import (
+    CheckpointLoadError,
+    ConfigError,
+    Phase,
+    SnapshotFallbackWarning,
+)
 
 __all__ = ["WHEN_BUSY", "CheckpointEngine", "SaveHandle"]
 
@@ -71,6 +79,14 @@ class CheckpointEngine:
             continues the run of the checkpoint it loads (logged).
         async_save: stage and return, writing in the background (``True``), or write and
             commit before returning (``False``).
+        snapshot: how an asynchronous save stages: ``"blocking"`` copies every tensor before
+            :meth:`save` returns; ``"lazy"`` copies only the unguarded ones then and the
+            guarded ones (``save(guarded=...)``, default all) in the writer thread, while
+            training goes on. Whatever changes a guarded tensor first calls
+            :meth:`wait_snapshot` (:func:`~lightning_elastic.core.save.snapshot.
+            guard_optimizers` does it for optimizer steps); a tensor changed in place before
+            its copy fails that save (not committed, never mixed) and turns lazy snapshots off
+            with one :class:`~lightning_elastic.errors.SnapshotFallbackWarning`.
         when_busy: a save requested while another is in flight ``"wait"``s for it, or is
             ``"skip"``ped (decided by all ranks together, so all skip or none).
         compression: ``None`` or ``"zstd"`` (one frame per item, DCP's ``stream.zstd`` format).
@@ -106,6 +122,7 @@ class CheckpointEngine:
         process_group: dist.ProcessGroup | None = None,
         run_id: str | None = None,
         async_save: bool = True,
+        snapshot: str = "blocking",
         when_busy: str = "wait",
         compression: str | None = None,
         checksum: str = DEFAULT_ALGORITHM,
@@ -131,6 +148,8 @@ class CheckpointEngine:
             storage = Storage(root, storage_options=storage_options)
         if when_busy not in WHEN_BUSY:
             raise ConfigError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
+        if snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"snapshot must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
         timeout = timedelta(seconds=check_seconds(timeout, "timeout"))
         grace = (
             2 * timeout
@@ -144,7 +163,10 @@ class CheckpointEngine:
             check_run_name(run_id, "run_id")
         self.storage = storage
         self.async_save = async_save
+        self.snapshot = snapshot
         self.when_busy = when_busy
+        self._snapshot: LazySnapshot | None = None  # the lazy copy in flight
+        self.snapshot_fallback: str | None = None  # why lazy snapshots were turned off
         coord = self.coordinator = coordinator or Coordinator.from_environment(
             timeout=timeout, process_group=process_group
         )
@@ -220,6 +242,7 @@ class CheckpointEngine:
         overwrite: bool = False,
         blocking: bool | None = None,
         persist: bool = False,
+        guarded: Iterable[torch.Tensor] | None = None,
     ) -> SaveHandle | None:
         """Save ``state`` (identical keys on every rank) as the checkpoint of ``step``.
 
@@ -233,10 +256,15 @@ class CheckpointEngine:
         (``when_busy="skip"``), else a handle; with ``blocking`` (default: not ``async_save``)
         the handle is already committed. With ``local_root`` (multi-tier), ``persist=True``
         (the same on every rank) persists this save whatever ``persist_every_n_saves`` says.
+        With ``snapshot="lazy"``, ``guarded`` are the tensors whose changes the caller guards
+        with :meth:`wait_snapshot` (parameters and optimizer state: ``guarded_tensors``);
+        only they are copied after ``save`` returns (default: every tensor).
         """
         self._check_open()
         called = time.monotonic()
-        if not self._lane.ready():
+        ready = self._lane.ready()
+        self._note_abandoned()
+        if not ready:
             return None
         request = checked_request(step, epoch, metrics, metadata, name, overwrite, self._metadata)
         persist = self._placement.decide(persist)
@@ -248,12 +276,21 @@ class CheckpointEngine:
             del walk  # it dies inside the pause: alive at its end, the collector scans it
             # (60,000 objects at 20,000 tensors: 7-17 ms of every save)
             blocking = (not self.async_save) if blocking is None else blocking
+            lazy = self.snapshot == "lazy" and not blocking
+            if lazy and self.snapshot_fallback is not None:
+                lazy, planned.snapshot_mode = False, "fallback"
             stage_start = time.monotonic()
-            payload = stage_save(target, planned, copy=not blocking)
+            rule = LazyRule(guarded) if lazy else None
+            payload = stage_save(target, planned, copy=not blocking, lazy=rule)
             staging_s = time.monotonic() - stage_start
+            self._snapshot = planned.snapshot
 
         def finish(blocked_s: float) -> SaveResult:  # the writer thread, or inline
-            return self._placement.finish(planned, payload, blocked_s, staging_s, persist)
+            try:
+                return self._placement.finish(planned, payload, blocked_s, staging_s, persist)
+            finally:
+                if planned.snapshot is not None:
+                    planned.snapshot.end()  # no guard waits forever on a save that failed
 
         return self._lane.start(
             finish, name=planned.name, step=step, called=called, blocking=blocking
@@ -261,10 +298,40 @@ class CheckpointEngine:
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight (and, multi-tier, the persist in flight); raise its
-        error (once) if it failed."""
+        error (once) if it failed. A save whose lazy snapshot saw a tensor change is not
+        raised here (``None``; see :meth:`wait_snapshot`)."""
         result = self._lane.wait()
+        self._note_abandoned()
         self._placement.wait()
         return result
+
+    def wait_snapshot(self) -> float:
+        """Block until the lazy snapshot in flight (if any) has copied its tensors, and return
+        the seconds waited: call it before anything that changes a guarded tensor (an
+        optimizer step, a scheduler's tensor, an in-place update). Cheap when nothing is in
+        flight or the copy is done."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return 0.0
+        waited = snapshot.wait()
+        self._snapshot = None
+        return waited
+
+    def _note_abandoned(self) -> None:
+        """Training thread, after the save in flight ended: if its lazy snapshot saw a tensor
+        change (not committed, on every rank), turn lazy snapshots off and warn, once."""
+        self._snapshot = None if self._lane.idle() else self._snapshot
+        exc = self._lane.take_abandoned()
+        if exc is None or self.snapshot_fallback is not None:
+            return
+        self.snapshot_fallback = str(exc)
+        warnings.warn(
+            f"a lazy snapshot was given up: {exc}. That save was not committed; this "
+            "engine's saves take blocking snapshots from now on (a tensor was changed in "
+            "place outside the guarded optimizer step; see docs/guarantees.md)",
+            SnapshotFallbackWarning,
+            stacklevel=3,
+        )
 
     def persist_latest(self) -> bool:
         """Multi-tier: persist the newest save now unless it is persisted already, and wait

@@ -54,7 +54,13 @@ from lightning_elastic.core.options import (
 from lightning_elastic.core.policy.cadence import Cadence, CadenceOptions
 from lightning_elastic.core.policy.retention import RetentionPolicy
 from lightning_elastic.core.policy.schedule import SaveSchedule
-from lightning_elastic.errors import CheckpointSaveError, ConfigError, StaleWriterError
+from lightning_elastic.core.save.snapshot import SNAPSHOT_MODES
+from lightning_elastic.errors import (
+    CheckpointSaveError,
+    ConfigError,
+    SnapshotChangedError,
+    StaleWriterError,
+)
 from lightning_elastic.lightning._compat import callback_state_key, checkpoint_after_batch
 from lightning_elastic.lightning.checkpoint_options import (
     DeprecatedOptions,
@@ -121,6 +127,13 @@ class DistributedCheckpoint(Checkpoint):
             this run's checkpoints and retention only deletes them. Default: the run whose
             checkpoint is newest in ``dirpath`` is continued (see docs/resuming.md).
         async_save: return to training once the state is staged in host memory.
+        snapshot: how an asynchronous save stages the state: ``"lazy"`` returns to training
+            once the copy is scheduled and copies the parameters and the optimizer state while
+            the next step's forward and backward run (its optimizer step waits for the copy
+            if it is not done); ``"blocking"`` copies everything before returning. Buffers
+            and everything else the forward may change are copied before returning either
+            way; a tensor changed in place outside the optimizer step turns lazy off for the
+            run (docs/guarantees.md).
         when_busy: a save due while the previous one is still being written ``"wait"``s for
             it or is ``"skip"``ped (all ranks decide together).
         compression: ``None`` or ``"zstd"``.
@@ -158,6 +171,7 @@ class DistributedCheckpoint(Checkpoint):
         resume: str = "auto",
         run_name: str | None = None,
         async_save: bool = True,
+        snapshot: str = "lazy",
         when_busy: str = "wait",
         compression: str | None = None,
         signals: Sequence[str | int] | str = DEFAULT_SIGNALS,
@@ -190,6 +204,7 @@ class DistributedCheckpoint(Checkpoint):
         self._monitor: HealthMonitor | None = None
         self.save_on_train_end = check_bool(save_on_train_end, "save_on_train_end")
         self.async_save = check_bool(async_save, "async_save")
+        self.snapshot = check_choice(snapshot, "snapshot", SNAPSHOT_MODES)
         self.when_busy = check_choice(when_busy, "when_busy", ("wait", "skip"))
         self.mode = check_choice(mode, "mode", ("min", "max"))
         if monitor is not None and not (isinstance(monitor, str) and monitor):
@@ -279,6 +294,7 @@ class DistributedCheckpoint(Checkpoint):
         self._engine = session.engine(
             self.dirpath,
             async_save=self.async_save,
+            snapshot=self.snapshot,
             when_busy=self.when_busy,
             retention=self.retention,
             compression=self.compression,
@@ -377,6 +393,17 @@ class DistributedCheckpoint(Checkpoint):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        # the first thing that changes the saved parameters and optimizer state: a lazy
+        # snapshot's copy must be done (with accumulation, the accumulation boundary; under
+        # manual optimization, each optimizer.step()). Lightning calls this after the
+        # closure's forward and backward, so the copy overlaps them; torch's own step
+        # pre-hook would run before the closure and wait before the forward.
+        if self._engine is not None:
+            if self._monitor is None:
+                self._engine.wait_snapshot()
+            else:
+                with self._monitor.saving():  # time lost to checkpoints, not to the step
+                    self._engine.wait_snapshot()
         if self._monitor is not None:
             self._monitor.before_optimizer_step()
 
@@ -617,6 +644,11 @@ class DistributedCheckpoint(Checkpoint):
         try:
             with self._counting_failures(handle.step):
                 result: SaveResult = handle.result()
+        except SnapshotChangedError as exc:
+            # not committed on any rank (it would have mixed two states); the engine warned
+            # once and takes blocking snapshots from now on
+            log.warning("checkpoint of step %d not committed: %s", handle.step, exc)
+            return
         except StaleWriterError as exc:
             role = _replica_role(trainer)
             leads = role is None or (role.leader and role.leader_since == since)
@@ -634,6 +666,8 @@ class DistributedCheckpoint(Checkpoint):
         seconds = max(result.total_s, 1e-9)
         stats = {
             "checkpoint/blocked_s": result.blocked_s,
+            "checkpoint/snapshot_wait_s": result.snapshot_wait_s,
+            "checkpoint/lazy_snapshot": float(result.snapshot == "lazy"),
             "checkpoint/commit_s": result.total_s,
             "checkpoint/bytes": float(result.bytes_written),
             "checkpoint/GBps": result.bytes_written / seconds / 1e9,

@@ -34,6 +34,7 @@ from lightning_elastic.core.elastic.data_position import DataPosition
 from lightning_elastic.core.engine import CheckpointEngine, SaveHandle
 from lightning_elastic.core.format.optimizer_state import is_named, named_to_positional
 from lightning_elastic.core.load.load import LoadResult, read_rank_states
+from lightning_elastic.core.save.snapshot import guarded_tensors
 from lightning_elastic.errors import (
     CheckpointLoadError,
     CheckpointMismatchError,
@@ -227,6 +228,12 @@ class ElasticSession:
             overwrite=overwrite,
             blocking=blocking,
             persist=reason == "train_end" or reason.startswith("signal"),
+            # what the optimizer step guard (the callback's on_before_optimizer_step) protects
+            guarded=(
+                guarded_tensors([trainer.lightning_module], trainer.optimizers)
+                if engine.snapshot == "lazy"
+                else None
+            ),
         )
 
     def data_position(self) -> DataPosition | None:

@@ -4,11 +4,13 @@ items, zero padding, the same file image staged or direct)."""
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from lightning_elastic.core.save.snapshot import LazyRule
 from lightning_elastic.core.save.stage import (
     ALIGNMENT,
     HostArena,
     Payload,
     direct_payload,
+    stage_lazily,
     stage_payload,
 )
 
@@ -152,6 +154,21 @@ def test_a_staged_payload_no_longer_aliases_the_live_tensors() -> None:
     payload = stage_payload(items, planner, HostArena())
     state["w"].fill_(-1)
     assert image(payload) == torch.ones(8).numpy().tobytes()
+
+
+def test_a_lazy_stage_copies_the_unguarded_now_and_the_guarded_when_its_snapshot_runs() -> None:
+    state = odd_state()
+    items, planner = planned(state)
+    expected = image(stage_payload(items, planner, HostArena()))
+    arena = HostArena()
+    payload, snapshot = stage_lazily(items, planner, arena, LazyRule([state["a"], state["c"]]))
+    assert snapshot.nbytes == 20 + 12 and not snapshot.done
+    staged = image(payload)
+    assert staged != expected  # a and c are not copied yet
+    state["b"].fill_(0)  # copied already: no longer aliased
+    snapshot.run()
+    assert snapshot.done and image(payload) == expected
+    snapshot.check()  # nothing changed since the save point
 
 
 def test_direct_payload_of_a_non_contiguous_tensor_writes_its_logical_order() -> None:

@@ -32,6 +32,7 @@ from lightning_elastic.errors import (
     Phase,
     RankFailure,
     SaveTimeoutError,
+    SnapshotChangedError,
     StaleWriterError,
 )
 
@@ -77,6 +78,11 @@ class CommitDecision:
         """The error every rank raises for a refused save."""
         if any(f.error_type == StaleWriterError.__name__ for f in self.failures):
             return StaleWriterError(checkpoint, self.failures)
+        changed = SnapshotChangedError.__name__
+        if self.failures and not self.missing and all(
+            f.error_type == changed for f in self.failures
+        ):
+            return SnapshotChangedError(checkpoint, self.failures)
         if self.missing:
             return SaveTimeoutError(
                 checkpoint, Phase.COMMIT, self.missing, self.timeout_s, self.failures

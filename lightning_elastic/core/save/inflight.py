@@ -5,7 +5,10 @@ start of each save (with ``when_busy="skip"`` one all-reduce decides, so all ran
 none; otherwise the save in flight is waited for and its error raised, on every rank);
 :meth:`SaveLane.start` runs the background part of the save inline (a blocking save) or
 submits it to the writer thread; :meth:`SaveLane.wait` and :meth:`SaveLane.close` before a
-load, at the end.
+load, at the end. A save given up because its lazy snapshot saw a tensor change
+(:class:`~lightning_elastic.errors.SnapshotChangedError`, the same on every rank) is not
+raised by them: it is kept for the engine (:meth:`SaveLane.take_abandoned`), which turns lazy
+snapshots off; its handle's ``result()`` still raises it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.save.request import SaveResult
-from lightning_elastic.errors import CheckpointSaveError, Phase
+from lightning_elastic.errors import CheckpointSaveError, Phase, SnapshotChangedError
 
 __all__ = ["WHEN_BUSY", "SaveHandle", "SaveLane"]
 
@@ -69,6 +72,7 @@ class SaveLane:
         self.when_busy = when_busy
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
+        self._abandoned: SnapshotChangedError | None = None
 
     def ready(self) -> bool:
         """Every rank: whether a new save may start now (``False``: skipped, all ranks)."""
@@ -82,8 +86,32 @@ class SaveLane:
             return False
         self._inflight = None
         if not handle.error_seen:
-            handle.result()  # raises the previous save's error, on every rank
+            self._result(handle)  # raises the previous save's error, on every rank
+        else:
+            self._note(handle)
         return True
+
+    def idle(self) -> bool:
+        """Whether no save is in flight."""
+        return self._inflight is None
+
+    def take_abandoned(self) -> SnapshotChangedError | None:
+        """The error of a save given up on a changed snapshot since the last call, if any."""
+        exc, self._abandoned = self._abandoned, None
+        return exc
+
+    def _note(self, handle: SaveHandle) -> None:
+        """A finished save whose error the caller saw already: still the engine's to note."""
+        exc = handle._future.exception()
+        if isinstance(exc, SnapshotChangedError):
+            self._abandoned = exc
+
+    def _result(self, handle: SaveHandle) -> SaveResult | None:
+        try:
+            return handle.result()
+        except SnapshotChangedError as exc:
+            self._abandoned = exc
+            return None
 
     def start(
         self,
@@ -114,7 +142,9 @@ class SaveLane:
         """Wait for the save in flight; raise its error unless the caller has seen it."""
         handle, self._inflight = self._inflight, None
         if handle is not None and not (handle.error_seen and handle.done()):
-            return handle.result()
+            return self._result(handle)
+        if handle is not None:
+            self._note(handle)
         return None
 
     def close(self) -> None:

@@ -7,7 +7,9 @@ Which rank calls what:
   deduplicates them (each replicated tensor is written by exactly one rank, balancing bytes),
   picks the directory name, writes the staging record, and hands every rank its final plan.
 * ``stage_save`` - every rank, blocking: copies the bytes of *its* items into the reused host
-  arena (async) or takes views of the live tensors (sync).
+  arena (async) or takes views of the live tensors (sync). A lazy snapshot
+  (:mod:`~lightning_elastic.core.save.snapshot`) copies only the unguarded tensors here and
+  leaves the rest to the writer thread, which copies them first thing in ``finish_save``.
 * ``finish_save`` - every rank, in the background writer (async) or inline (sync): writes its
   shard with a checksum computed on the way, reports through the store, and rank 0 commits
   (:mod:`~lightning_elastic.core.dist.commit`), publishes the decision and cleans up after a
@@ -29,9 +31,15 @@ from lightning_elastic.core.format.manifest import Manifest, RankRecord, shard_f
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.policy.housekeeping import after_commit
 from lightning_elastic.core.save.request import PlannedSave, RunState, SaveResult, SaveTarget
-from lightning_elastic.core.save.stage import Payload, direct_payload, stage_payload
+from lightning_elastic.core.save.snapshot import LazyRule, TensorChanged
+from lightning_elastic.core.save.stage import (
+    Payload,
+    direct_payload,
+    stage_lazily,
+    stage_payload,
+)
 from lightning_elastic.core.save.write import write_shard
-from lightning_elastic.errors import Phase, RankFailure
+from lightning_elastic.errors import Phase, RankFailure, SnapshotChangedError
 
 __all__ = ["finish_save", "housekeep", "stage_save"]
 
@@ -41,9 +49,18 @@ log = fork_safe_logger(__name__)  # also logs from the writer thread
 _GRACE_MIN_S = 2.0
 
 
-def stage_save(target: SaveTarget, planned: PlannedSave, copy: bool) -> Payload:
+def stage_save(
+    target: SaveTarget, planned: PlannedSave, copy: bool, lazy: LazyRule | None = None
+) -> Payload:
     """This rank's items as one payload: copied into the host arena, or views of the live
-    tensors (``copy=False``, for a save that writes before returning)."""
+    tensors (``copy=False``, for a save that writes before returning). With ``lazy`` (and
+    ``copy``), the tensors it accepts are copied later, by the writer thread, from the
+    :class:`~lightning_elastic.core.save.snapshot.LazySnapshot` left in ``planned.snapshot``."""
+    if copy and lazy is not None:
+        payload, planned.snapshot = stage_lazily(
+            planned.plan.items, planned.planner, target.arena, lazy
+        )
+        return payload
     if copy:
         return stage_payload(planned.plan.items, planned.planner, target.arena)
     return direct_payload(planned.plan.items, planned.planner)
@@ -65,8 +82,14 @@ def finish_save(
     coord, channel = target.coordinator, target.channel
     ckpt = target.storage.child(planned.name)
     write_start = time.monotonic()
+    snapshot = planned.snapshot
     report = _write_and_report(target, planned, payload, staging_s)
     writing_s = time.monotonic() - write_start
+    waited_s = 0.0
+    if snapshot is not None:
+        staging_s += snapshot.copy_s
+        writing_s -= snapshot.copy_s
+        waited_s = snapshot.waited_s
     what = target.storage.display(planned.name)
     channel.report(planned.save_id, report)
     manifest: Manifest | None = None
@@ -88,11 +111,13 @@ def finish_save(
         location=what,
         step=planned.request.step,
         bytes_written=0 if report.get("file") is None else int(report["file"][0]),
-        blocked_s=blocked_s,
+        blocked_s=blocked_s + waited_s,
         staging_s=staging_s,
         writing_s=writing_s,
         total_s=time.monotonic() - planned.started,
         manifest=manifest,
+        snapshot="lazy" if snapshot is not None else planned.snapshot_mode,
+        snapshot_wait_s=waited_s,
     )
 
 
@@ -121,12 +146,19 @@ def _write_and_report(
     ckpt = target.storage.child(planned.name)
     file_name = shard_file_name(planned.save_id, coord.rank)
     start = time.monotonic()
+    snapshot = planned.snapshot
     try:
+        if snapshot is not None:  # the lazy part of the staging copy, first
+            snapshot.run()
+            staging_s += snapshot.copy_s
+            start = time.monotonic()
         shard = None
         if payload.items:
             shard = write_shard(
                 ckpt, file_name, payload, checksum=config.checksum, compression=config.compression
             )
+        if snapshot is not None:
+            snapshot.check()  # an in-place update that ended during the write
         record = _rank_record(
             coord.rank,
             0 if shard is None else shard.written.size,
@@ -142,15 +174,21 @@ def _write_and_report(
             "rank": dataclasses.asdict(record),
         }
     except Exception as exc:
-        log.error("rank %d failed to write %s", coord.rank, ckpt.display(file_name), exc_info=True)
+        failure = RankFailure.from_exception(coord.rank, Phase.WRITE, exc)
+        if isinstance(exc, TensorChanged):  # not an I/O failure: the commit says which
+            failure = RankFailure(coord.rank, Phase.WRITE, SnapshotChangedError.__name__, str(exc))
+            log.warning("rank %d: %s", coord.rank, exc)
+        else:
+            shown = ckpt.display(file_name)
+            log.error("rank %d failed to write %s", coord.rank, shown, exc_info=True)
         try:
             ckpt.delete(file_name)
         except Exception:
             log.debug("could not remove partial %s", file_name, exc_info=True)
-        return {
-            "ok": False,
-            "failure": RankFailure.from_exception(coord.rank, Phase.WRITE, exc).to_json(),
-        }
+        return {"ok": False, "failure": failure.to_json()}
+    finally:
+        if snapshot is not None:
+            snapshot.release()
 
 
 def _rank_record(rank: int, nbytes: int, staging_s: float, writing_s: float) -> RankRecord:

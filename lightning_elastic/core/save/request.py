@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from lightning_elastic.core.format.skeleton import Skeleton
     from lightning_elastic.core.policy.retention import RetentionPolicy
     from lightning_elastic.core.save.plan import PlanCache
+    from lightning_elastic.core.save.snapshot import LazySnapshot
     from lightning_elastic.core.save.stage import HostArena
     from lightning_elastic.core.storage.base import Storage
 
@@ -223,6 +224,9 @@ class PlannedSave:
     # rank 0 only: the save replaces the committed checkpoint of its name (overwrite), whose
     # manifest its own replaces at the commit
     replaces: bool = False
+    # a lazy snapshot: the staging copy the writer thread makes before writing
+    snapshot: LazySnapshot | None = None
+    snapshot_mode: str = "blocking"  # what SaveResult.snapshot says without a lazy snapshot
 
 
 @dataclass(frozen=True)
@@ -233,8 +237,12 @@ class SaveResult:
     location: str
     step: int
     bytes_written: int  # by this rank
-    blocked_s: float  # time the caller was blocked on this rank
-    staging_s: float
+    blocked_s: float  # time the caller was blocked on this rank (with the snapshot's waits)
+    staging_s: float  # the whole staging copy, a lazy snapshot's included
     writing_s: float
     total_s: float  # from the save call to the commit being known on this rank
     manifest: Manifest | None = None  # rank 0 only
+    # "lazy": the copy overlapped training; "blocking": made before the save returned
+    # ("fallback": blocking because an earlier lazy snapshot saw a tensor change)
+    snapshot: str = "blocking"
+    snapshot_wait_s: float = 0.0  # the part of blocked_s spent waiting for a lazy copy
