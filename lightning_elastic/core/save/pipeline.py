@@ -65,7 +65,15 @@ def finish_save(
     coord, channel = target.coordinator, target.channel
     ckpt = target.storage.child(planned.name)
     write_start = time.monotonic()
+    selection = None
+    if target.increments is not None:  # incremental: write only what changed
+        selection = target.increments.select(payload, planned.evidence, planned.name)
+        payload = selection.payload
     report = _write_and_report(target, planned, payload, staging_s)
+    written = report.pop("written", ())  # DCP's results of this rank's own file
+    if selection is not None and report["ok"]:
+        report["references"] = target.increments.references(selection)  # type: ignore[union-attr]
+        report["results"] += [encode_result(r) for r in selection.results()]
     writing_s = time.monotonic() - write_start
     what = target.storage.display(planned.name)
     channel.report(planned.save_id, report)
@@ -79,7 +87,21 @@ def finish_save(
     finally:
         channel.ack(planned.save_id)
     if not decision.committed:
+        if target.increments is not None:
+            target.increments.reset()  # the next save is full
         raise decision.error(what)
+    if selection is not None:
+        assert target.increments is not None
+        shard = report.get("file")
+        target.increments.committed(
+            selection,
+            planned.evidence,
+            planned.name,
+            written,
+            None
+            if shard is None
+            else (shard_file_name(planned.save_id, coord.rank), shard[0], shard[1], coord.rank),
+        )
     run.committed(planned.name)  # the next save continues this one
     if manifest is not None and housekeeping:
         housekeep(target, run, manifest)
@@ -140,6 +162,7 @@ def _write_and_report(
             "file": None if shard is None else [shard.written.size, shard.written.checksum],
             "results": results,
             "rank": dataclasses.asdict(record),
+            "written": () if shard is None else shard.results,  # stays on this rank
         }
     except Exception as exc:
         log.error("rank %d failed to write %s", coord.rank, ckpt.display(file_name), exc_info=True)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.format.skeleton import Skeleton
     from lightning_elastic.core.policy.retention import RetentionPolicy
+    from lightning_elastic.core.save.incremental import Evidence, Increments, Key
     from lightning_elastic.core.save.plan import PlanCache
     from lightning_elastic.core.save.stage import HostArena
     from lightning_elastic.core.storage.base import Storage
@@ -64,6 +65,9 @@ class SaveConfig:
     # rank 0 writes the small replicated items (save/plan.py small_replicated_to_lowest):
     # multi-tier, so a node's ranks read two files of a sharded state, not every file
     small_replicated_to_lowest: bool = False
+    # incremental saves (core/save/incremental.py): every n-th save is full, the others
+    # refer to the unchanged tensors of the previous ones (None or 1: every save is full)
+    full_every_n_saves: int | None = None
 
     def __post_init__(self) -> None:
         # save.write imports torch; importing it here, not at the top, keeps this module
@@ -77,6 +81,14 @@ class SaveConfig:
             raise ConfigError(f"leftover_grace must be >= 0, got {grace}")
         check_compression(self.compression)
         new_hasher(self.checksum)  # validates the name
+        if self.full_every_n_saves is not None:
+            from lightning_elastic.core.options import check_count
+
+            object.__setattr__(
+                self,
+                "full_every_n_saves",
+                check_count(self.full_every_n_saves, "full_every_n_saves"),
+            )
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,7 @@ class SaveTarget:
     channel: CommitChannel
     arena: HostArena
     config: SaveConfig
+    increments: Increments | None = None  # this rank's base for incremental saves
 
 
 class RunState:
@@ -220,6 +233,8 @@ class PlannedSave:
     deadline: float
     cached: bool = False
     cache: PlanCache | None = None  # for the next plan_save of this rank
+    # incremental saves: each tensor item's evidence at the save point (core/save/incremental)
+    evidence: dict[Key, Evidence] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
