@@ -53,6 +53,7 @@ from lightning_elastic.core.format.catalog import (
 )
 from lightning_elastic.core.format.integrity import Problem, verify_files
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
+from lightning_elastic.core.format.references import reference_records, routes
 from lightning_elastic.core.options import check_count, check_seconds
 from lightning_elastic.core.policy.housekeeping import (
     DEFAULT_GRACE_S,
@@ -453,6 +454,9 @@ class _Row:
                 "world_size": _get(lambda: m.world_size) if m else None,
                 "run_id": _get(lambda: info.run_id),
                 "bytes": _get(lambda: m.total_bytes) if m else None,
+                # an incremental checkpoint: what it reads from earlier ones, and which
+                "referenced_bytes": _get(lambda: m.referenced_bytes) if m else None,
+                "references": sorted(_get(lambda: m.referenced_checkpoints) or ()) if m else [],
                 "created": _iso(created) if created else None,
                 "problem": self.problem,
             }
@@ -508,12 +512,13 @@ def _check(root: Storage, info: CheckpointInfo, mode: str, bar: Any = None) -> _
     manifest = info.manifest
     try:
         ckpt = root.child(info.name)
+        paths = routes(ckpt, manifest)  # an incremental checkpoint's referenced files
         if mode == "size":
-            problems = verify_files(ckpt, manifest, "size")
+            problems = verify_files(ckpt, manifest, "size", routes=paths)
         else:
             problems = []
-            for record in manifest.files:
-                problems += verify_files(ckpt, manifest, "full", files=[record])
+            for record in (*manifest.files, *reference_records(manifest)):
+                problems += verify_files(ckpt, manifest, "full", files=[record], routes=paths)
                 if bar is not None:
                     bar.update(record.size)
     except ElasticCheckpointError as exc:
@@ -769,6 +774,14 @@ def _print_manifest(m: Any) -> None:
         print("  metrics: " + ", ".join(f"{_show(k)}={_num(v)}" for k, v in _items(m.metrics)))
     rows = [[_show(f.path), _size(f.size), _show(f.checksum), _show(f.rank)] for f in files]
     print(_indent(_table(rows, ["FILE", "SIZE", "CHECKSUM", "RANK"])))
+    refs = _tuple(_get(lambda: m.references) or ())
+    if refs:  # an incremental checkpoint: unchanged tensors are read from these files
+        print(f"  refers to {len(refs)} file(s) of earlier checkpoints (unchanged tensors):")
+        rows = [
+            [_show(r.checkpoint), _show(r.path), _size(r.size), _show(r.checksum), _show(r.rank)]
+            for r in refs
+        ]
+        print(_indent(_table(rows, ["CHECKPOINT", "FILE", "SIZE", "CHECKSUM", "RANK"])))
     ranks = [
         [
             _show(r.rank),
@@ -1113,7 +1126,7 @@ def _row(r: _Row) -> list[str]:
         _show(d["epoch"]),
         _show(d["world_size"]),
         _show(d["run_id"], 24),
-        _size(d["bytes"]),
+        _size(d["bytes"]) + (f" (+{_size(d['referenced_bytes'])} ref)" if d["references"] else ""),
         _show(d["created"]),
         status,
     ]

@@ -133,6 +133,8 @@ class Storage:
         if "/" not in url.split("://", 1)[-1] or "/" not in root:
             raise StorageError("resolve", self.display(), "a storage root has no parent")
         up = self._copy()
+        for attr in [a for a in vars(up) if callable(getattr(type(up), a, None))]:
+            delattr(up, attr)  # a method patched on this instance (a read counter) stays here
         up.url = url.rsplit("/", 1)[0] or "/"
         up.root = root.rsplit("/", 1)[0] or "/"
         return up
