@@ -150,6 +150,13 @@ class CheckpointEngine:
             tuple(retention),
             full_every_n_saves=full_every_n_saves,
         )
+        if tiers and (config.full_every_n_saves or 1) > 1:
+            # the node-local tier's replicas, uploads and recovery copy a checkpoint's own
+            # files only: a copy of an incremental one would miss what it refers to
+            raise ConfigError(
+                f"full_every_n_saves={config.full_every_n_saves} (incremental saves) is not "
+                "supported with local_root (multi-tier) yet: leave full_every_n_saves unset"
+            )
         if run_id is not None:
             check_run_name(run_id, "run_id")
         self.storage = storage

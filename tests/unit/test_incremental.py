@@ -227,3 +227,9 @@ def test_with_compression_references_keep_their_frames(tmp_path: Path) -> None:
     assert manifest_of(tmp_path, saved[2][1].name).references
     with CheckpointEngine(tmp_path) as eng:
         assert_same(saved[2][0], eng.load().state)
+
+
+def test_incremental_saves_are_refused_with_a_node_local_tier(tmp_path: Path) -> None:
+    # the tiers' replicas, uploads and recovery copy a checkpoint's own files only
+    with pytest.raises(ConfigError, match="full_every_n_saves=4 .* local_root"):
+        CheckpointEngine(tmp_path / "p", local_root=tmp_path / "l", full_every_n_saves=4)
