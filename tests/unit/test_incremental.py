@@ -231,5 +231,5 @@ def test_with_compression_references_keep_their_frames(tmp_path: Path) -> None:
 
 def test_incremental_saves_are_refused_with_a_node_local_tier(tmp_path: Path) -> None:
     # the tiers' replicas, uploads and recovery copy a checkpoint's own files only
-    with pytest.raises(ConfigError, match="full_every_n_saves=4 .* local_root"):
+    with pytest.raises(ConfigError, match=r"full_every_n_saves=4 .* local_root"):
         CheckpointEngine(tmp_path / "p", local_root=tmp_path / "l", full_every_n_saves=4)
