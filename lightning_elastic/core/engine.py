@@ -16,6 +16,7 @@ engine owns the run state (:class:`~lightning_elastic.core.save.request.RunState
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -262,8 +263,11 @@ class CheckpointEngine:
             state_dict, walk = state_to_save(self._replicas, self.coordinator, state, rank_state)
             planned = plan_save(target, self._run, state_dict, request, walk, self._plan_cache)
             self._plan_cache = planned.cache
-            if target.increments is not None:  # what may be unchanged, seen at the save point
-                planned.evidence = target.increments.observe(planned.plan.items, planned.planner)
+            if target.increments is not None:  # unchanged tensors are referred to, not staged
+                planned.increment, staged = target.increments.preselect(
+                    planned.plan.items, planned.planner
+                )
+                planned.plan = dataclasses.replace(planned.plan, items=staged)
             del walk  # it dies inside the pause: alive at its end, the collector scans it
             # (60,000 objects at 20,000 tensors: 7-17 ms of every save)
             blocking = (not self.async_save) if blocking is None else blocking

@@ -4,17 +4,20 @@ range that holds it (:class:`~lightning_elastic.core.format.manifest.ReferenceRe
 
 Which rank calls what (each rank alone, no collective):
 
-* :meth:`Increments.observe` - the training thread, at the save point, after planning: the
+* :meth:`Increments.preselect` - the training thread, at the save point, after planning: the
   evidence that each tensor item may be unchanged since the last save (its storage pointer,
   version counter, dtype, shape and strides; a few microseconds a tensor, no data read);
+  a host tensor whose evidence is unchanged is hashed there (xxh3-128, 16 GB/s here: far
+  less than the staging copy it saves) and, when its digest is the one of the bytes the last
+  save holds, referred to and not staged at all;
 * :meth:`Increments.select` - the writer (or inline for a blocking save), before the shard is
-  written: which items to write and which to refer to. An item is referred to only when its
-  evidence is the same as at the last save *and* the xxh3-128 digest of the bytes this save
-  staged equals the digest of the bytes the referenced range holds. The evidence only picks
-  the tensors worth hashing (a training step bumps the version of every parameter and moment
-  it touches, so a full-training save hashes nothing); the digest is the proof, so a change
-  that bypasses version counters (``p.data.copy_``, a new tensor at a freed address) is
-  written, not lost;
+  written: the same decision for what was staged (device tensors: hashed from the staged
+  bytes), and the digests of a full save's tensors. An item is referred to only when its
+  evidence is the same as at the last save *and* its digest equals the digest of the bytes
+  the referenced range holds. The evidence only picks the tensors worth hashing (a training
+  step bumps the version of every parameter and moment it touches, so a full-training save
+  hashes nothing); the digest is the proof, so a change that bypasses version counters
+  (``p.data.copy_``, a new tensor at a freed address) is written, not lost;
 * :meth:`Increments.committed` / :meth:`Increments.reset` - the writer, once the commit is
   known on this rank: the committed save becomes the base of the next one; a failed save
   forgets everything (the next save is full).
@@ -44,9 +47,15 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_elastic.core.format.dcp_json import ItemLocation
-from lightning_elastic.core.save.stage import ALIGNMENT, Payload, PayloadItem, _resolve_tensor
+from lightning_elastic.core.save.stage import (
+    ALIGNMENT,
+    Payload,
+    PayloadItem,
+    _resolve_tensor,
+    _tensor_bytes,
+)
 
-__all__ = ["Increments", "Selection", "item_key"]
+__all__ = ["Increments", "Preselected", "Selection", "item_key"]
 
 Key = tuple[str, tuple[int, ...]]
 Evidence = tuple[Any, ...]
@@ -98,6 +107,18 @@ class Selection:
         ]
 
 
+@dataclass
+class Preselected:
+    """What the save point decided (:meth:`Increments.preselect`): the evidence of each
+    tensor item, whether the save is full, the items referred to already (host tensors
+    whose digest was taken then: not staged at all) and the digests taken of the others."""
+
+    evidence: dict[Key, Evidence]
+    full: bool
+    referenced: list[tuple[WriteItem, _Held]] = field(default_factory=list)
+    digests: dict[Key, int] = field(default_factory=dict)
+
+
 class Increments:
     """One rank's memory of its last committed save, for incremental saves (see the module
     docstring). ``full_every_n_saves``: the longest chain (1: every save is full)."""
@@ -107,15 +128,23 @@ class Increments:
         self._held: dict[Key, _Held] = {}
         self._files: dict[str, _File] = {}
         self._since_full = 0  # incremental saves committed since the last full one
+        # the items staged last time: (the plan's items, those left out, the rest)
+        self._staged: tuple[Sequence[WriteItem], frozenset[Key], list[WriteItem]] | None = None
         self.bytes_referenced = 0  # by the last selection, for reports
 
     # training thread ------------------------------------------------------------------
 
-    def observe(self, items: Sequence[WriteItem], planner: Any) -> dict[Key, Evidence]:
-        """The evidence of every tensor item at the save point (no data read)."""
-        evidence: dict[Key, Evidence] = {}
-        if self.full_every_n_saves <= 1:
-            return evidence
+    def preselect(
+        self, items: Sequence[WriteItem], planner: Any
+    ) -> tuple[Preselected, list[WriteItem]]:
+        """At the save point: the evidence of every tensor item (no data read), and, unless
+        the save is full, the host tensors whose evidence and digest (taken now, 16 GB/s) say
+        they are the bytes the last save holds: referred to, and left out of the items to
+        stage, which are returned (the same list object while the same items are left out,
+        so the staging layout is reused). Device tensors are staged and hashed in the writer
+        (:meth:`select`)."""
+        full = not self._held or self._since_full + 1 >= self.full_every_n_saves
+        pre = Preselected({}, full)
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 continue
@@ -123,26 +152,43 @@ class Increments:
                 tensor = _resolve_tensor(planner, item)
             except Exception:  # cannot be told: written
                 continue
-            evidence[item_key(item)] = _evidence(tensor)
-        return evidence
+            key = item_key(item)
+            seen = pre.evidence[key] = _evidence(tensor)
+            held = self._held.get(key)
+            if full or held is None or held.evidence != seen or tensor.device.type != "cpu":
+                continue
+            digest = xxhash.xxh3_128_intdigest(_tensor_bytes(tensor))
+            if held.digest == digest and held.location.file in self._files:
+                pre.referenced.append((item, held))
+            else:
+                pre.digests[key] = digest
+        if not pre.referenced:
+            return pre, list(items)
+        left_out = frozenset(item_key(i) for i, _ in pre.referenced)
+        cached = self._staged
+        if cached is None or cached[0] is not items or cached[1] != left_out:
+            staged = [i for i in items if item_key(i) not in left_out]
+            cached = self._staged = (items, left_out, staged)
+        return pre, cached[2]
 
     # writer thread --------------------------------------------------------------------
 
-    def select(self, payload: Payload, evidence: dict[Key, Evidence], name: str) -> Selection:
-        """The items of ``payload`` to write and those to refer to. A full save (the first,
-        one after a failure, every ``full_every_n_saves``-th) refers to nothing and hashes
-        every tensor it writes, so the next save can refer to them."""
+    def select(self, payload: Payload, pre: Preselected | None, name: str) -> Selection:
+        """The items of ``payload`` to write and those to refer to (with the ones
+        :meth:`preselect` referred to). A full save (the first, one after a failure, every
+        ``full_every_n_saves``-th) refers to nothing and hashes every tensor it writes, so
+        the next save can refer to them."""
         start = time.perf_counter()
-        full = not self._held or self._since_full + 1 >= self.full_every_n_saves
-        if self.full_every_n_saves <= 1 or "/" in name:
+        if pre is None or "/" in name:
             return Selection(payload, full=True)
+        full = pre.full
+        selection = Selection(payload, list(pre.referenced), dict(pre.digests), full=full)
         written: list[PayloadItem] = []
-        selection = Selection(payload, full=full)
         for placed in payload.items:
             item = placed.write_item
             key = item_key(item)
-            seen = evidence.get(key)
-            if item.type == WriteItemType.BYTE_IO or seen is None:
+            seen = pre.evidence.get(key)
+            if item.type == WriteItemType.BYTE_IO or seen is None or key in pre.digests:
                 written.append(placed)
                 continue
             held = self._held.get(key)
@@ -161,7 +207,7 @@ class Increments:
                 continue
             selection.digests[key] = digest
             written.append(placed)
-        if selection.referenced:
+        if len(written) < len(payload.items):
             selection.payload = _relaid(written)
         self.bytes_referenced = sum(h.location.length for _, h in selection.referenced)
         selection.hash_s = time.perf_counter() - start
@@ -171,16 +217,11 @@ class Increments:
         """The files ``selection`` refers to, as JSON for the rank's report:
         ``[path, checkpoint, size, checksum, rank]``."""
         paths = sorted({held.location.file for _, held in selection.referenced})
-        return [
-            [
-                p,
-                self._files[p].checkpoint,
-                self._files[p].size,
-                self._files[p].checksum,
-                self._files[p].rank,
-            ]
-            for p in paths
-        ]
+        out = []
+        for p in paths:
+            f = self._files[p]
+            out.append([p, f.checkpoint, f.size, f.checksum, f.rank])
+        return out
 
     def committed(
         self,

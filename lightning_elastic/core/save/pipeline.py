@@ -67,7 +67,7 @@ def finish_save(
     write_start = time.monotonic()
     selection = None
     if target.increments is not None:  # incremental: write only what changed
-        selection = target.increments.select(payload, planned.evidence, planned.name)
+        selection = target.increments.select(payload, planned.increment, planned.name)
         payload = selection.payload
     report = _write_and_report(target, planned, payload, staging_s)
     written = report.pop("written", ())  # DCP's results of this rank's own file
@@ -95,7 +95,7 @@ def finish_save(
         shard = report.get("file")
         target.increments.committed(
             selection,
-            planned.evidence,
+            {} if planned.increment is None else planned.increment.evidence,
             planned.name,
             written,
             None

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.format.skeleton import Skeleton
     from lightning_elastic.core.policy.retention import RetentionPolicy
-    from lightning_elastic.core.save.incremental import Evidence, Increments, Key
+    from lightning_elastic.core.save.incremental import Increments, Preselected
     from lightning_elastic.core.save.plan import PlanCache
     from lightning_elastic.core.save.stage import HostArena
     from lightning_elastic.core.storage.base import Storage
@@ -233,8 +233,8 @@ class PlannedSave:
     deadline: float
     cached: bool = False
     cache: PlanCache | None = None  # for the next plan_save of this rank
-    # incremental saves: each tensor item's evidence at the save point (core/save/incremental)
-    evidence: dict[Key, Evidence] = field(default_factory=dict)
+    # incremental saves: what the save point decided (core/save/incremental.py)
+    increment: Preselected | None = None
 
 
 @dataclass(frozen=True)
