@@ -114,20 +114,22 @@ def session(kind: str, method: str, args: argparse.Namespace, root: Path) -> dic
     }
 
 
-def timed_load(kind: str, args: argparse.Namespace, root: Path, expected: dict) -> float:
+def timed_load(
+    kind: str, args: argparse.Namespace, root: Path, expected: dict
+) -> tuple[float, int]:
     """Seconds to load the newest checkpoint in ``root`` into a fresh state (in place), from
-    a fresh engine; checked bitwise."""
+    a fresh engine, and the bytes read (verification included); checked bitwise."""
     layers = args.layers if kind == "finetune" else args.full_layers
     fresh = Shape(kind, layers, args.width)
     fresh.step()  # optimizer state to load into
     into = fresh.state()
     with CheckpointEngine(root) as eng:
         start = time.perf_counter()
-        eng.load(into)
+        result = eng.load(into)
         seconds = time.perf_counter() - start
     for k, v in expected.items():
         assert torch.equal(into["model"][k], v), f"{root}: {k} differs after load"
-    return seconds
+    return seconds, result.bytes_read
 
 
 def main() -> None:
@@ -160,10 +162,12 @@ def main() -> None:
             # loads alternate, both from files written the same way (the page cache may hold
             # either: compare the work of following references, not the disk)
             loads: dict[str, list[float]] = {"full": [], "incremental": []}
+            read: dict[str, int] = {}
             for _ in range(args.loads):
                 for method, root in roots.items():
                     expected = runs[method][0]["expected"]
-                    loads[method].append(timed_load(kind, args, root, expected))
+                    seconds, read[method] = timed_load(kind, args, root, expected)
+                    loads[method].append(seconds)
             for root in roots.values():
                 shutil.rmtree(root, ignore_errors=True)
             for rs in runs.values():
@@ -175,12 +179,15 @@ def main() -> None:
             for m in med:  # the fastest load: the work, with the least of the box's noise
                 med[m]["load_s"] = min(loads[m])
                 med[m]["load_median_s"] = statistics.median(loads[m])
+                med[m]["load_bytes"] = read[m]
             f, inc = med["full"], med["incremental"]
             ratios = {
                 "bytes": inc["bytes"] / f["bytes"],
                 "durable": inc["durable_s"] / f["durable_s"],
                 "blocked": inc["blocked_s"] / f["blocked_s"],
                 "load": inc["load_s"] / f["load_s"],
+                "load_median": inc["load_median_s"] / f["load_median_s"],
+                "load_bytes": inc["load_bytes"] / f["load_bytes"],
             }
             report["shapes"][kind] = {"full": f, "incremental": inc, "ratios": ratios}
             print(
@@ -189,7 +196,8 @@ def main() -> None:
                 f"({ratios['bytes']:.3f}x)  durable {f['durable_s']:.3f} s -> "
                 f"{inc['durable_s']:.3f} s ({ratios['durable']:.3f}x)  blocked "
                 f"{f['blocked_s']:.3f} -> {inc['blocked_s']:.3f} s  load {f['load_s']:.3f} s -> "
-                f"{inc['load_s']:.3f} s ({ratios['load']:.3f}x)",
+                f"{inc['load_s']:.3f} s ({ratios['load']:.3f}x, median {ratios['load_median']:.3f}x, "
+                f"bytes read {ratios['load_bytes']:.3f}x)",
                 flush=True,
             )
     finally:
