@@ -14,6 +14,7 @@ from typing import Any
 from lightning_elastic.cli import format as fmt
 from lightning_elastic.core.format.catalog import CORRUPT, VALID, CheckpointInfo
 from lightning_elastic.core.format.integrity import verify_files
+from lightning_elastic.core.format.references import reference_records, routes
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ElasticCheckpointError
 
@@ -44,6 +45,9 @@ class Row:
                 "world_size": fmt.get(lambda: m.world_size) if m else None,
                 "run_id": fmt.get(lambda: info.run_id),
                 "bytes": fmt.get(lambda: m.total_bytes) if m else None,
+                # an incremental checkpoint: what it reads from earlier ones, and which
+                "referenced_bytes": fmt.get(lambda: m.referenced_bytes) if m else None,
+                "references": sorted(fmt.get(lambda: m.referenced_checkpoints) or ()) if m else [],
                 "created": fmt.iso(created) if created else None,
                 "problem": self.problem,
             }
@@ -101,12 +105,13 @@ def check(root: Storage, info: CheckpointInfo, mode: str, bar: Any = None) -> Ro
     manifest = info.manifest
     try:
         ckpt = root.child(info.name)
+        paths = routes(ckpt, manifest)  # an incremental checkpoint's referenced files
         if mode == "size":
-            problems = verify_files(ckpt, manifest, "size")
+            problems = verify_files(ckpt, manifest, "size", routes=paths)
         else:
             problems = []
-            for record in manifest.files:
-                problems += verify_files(ckpt, manifest, "full", files=[record])
+            for record in (*manifest.files, *reference_records(manifest)):
+                problems += verify_files(ckpt, manifest, "full", files=[record], routes=paths)
                 if bar is not None:
                     bar.update(record.size)
     except ElasticCheckpointError as exc:

@@ -183,7 +183,7 @@ def row(r: Row) -> list[str]:
         show(d["epoch"]),
         show(d["world_size"]),
         show(d["run_id"], 24),
-        size(d["bytes"]),
+        size(d["bytes"]) + (f" (+{size(d['referenced_bytes'])} ref)" if d["references"] else ""),
         show(d["created"]),
         status,
     ]

@@ -75,6 +75,20 @@ def _print_manifest(m: Any) -> None:
         [fmt.show(f.path), fmt.size(f.size), fmt.show(f.checksum), fmt.show(f.rank)] for f in files
     ]
     print(fmt.indent(fmt.table(rows, ["FILE", "SIZE", "CHECKSUM", "RANK"])))
+    refs = fmt.as_tuple(fmt.get(lambda: m.references) or ())
+    if refs:  # an incremental checkpoint: unchanged tensors are read from these files
+        print(f"  refers to {len(refs)} file(s) of earlier checkpoints (unchanged tensors):")
+        rows = [
+            [
+                fmt.show(r.checkpoint),
+                fmt.show(r.path),
+                fmt.size(r.size),
+                fmt.show(r.checksum),
+                fmt.show(r.rank),
+            ]
+            for r in refs
+        ]
+        print(fmt.indent(fmt.table(rows, ["CHECKPOINT", "FILE", "SIZE", "CHECKSUM", "RANK"])))
     ranks = [
         [
             fmt.show(r.rank),

@@ -6,7 +6,7 @@ One home per option (docs/options.md argues each):
   (``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``,
   ``save_on_train_end``), which to keep (``keep_last_n``; ``keep_best_k`` with ``monitor``
   and ``mode``), where (``dirpath``), whether to resume, how to write (``async_save``,
-  ``snapshot``, ``when_busy``, ``compression``) and the signals;
+  ``snapshot``, ``when_busy``, ``compression``, ``full_every_n_saves``) and the signals;
 * **small typed groups on the callback**: ``cadence=CadenceOptions``,
   ``tiers=TierOptions``, ``monitoring=MonitoringOptions``, and ``retention=[...]`` holding the
   exported policy classes (:class:`~lightning_elastic.KeepLastN`, ...);

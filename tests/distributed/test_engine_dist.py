@@ -78,3 +78,12 @@ def test_resharded_load_reads_only_the_needed_rows(tmp_path) -> None:
     verified = run_distributed(workers.load_big, 3, str(tmp_path), "full")
     shards = sum(p.stat().st_size for p in tmp_path.glob("*/*.distcp"))
     assert shards >= total and total < sum(verified) <= total + shards - total // 3
+
+
+def test_an_incremental_chain_saved_on_two_ranks_loads_resharded(tmp_path) -> None:
+    root = str(tmp_path / "ckpts")
+    refs = run_distributed(workers.save_incremental, 2, root, 3)
+    # both ranks' unchanged shards are referred to: saves 2 and 3 read from save 1
+    assert refs[0] == [[], ["step_000000001"], ["step_000000001"]]
+    names = run_distributed(workers.load_incremental, 3, root, 3)  # 2 -> 3 ranks
+    assert set(names) == {"step_000000003"}

@@ -170,3 +170,36 @@ def load_fails_on_one_rank(root: str, failing_rank: int) -> str:
             assert exc.failed_ranks == [failing_rank], exc.failures
             return str(exc)
     raise AssertionError("the load did not fail")
+
+
+def save_incremental(root: str, saves: int) -> list:
+    """``saves`` saves of a frozen sharded embedding and a frozen replicated model, with a
+    small replicated head that changes every step (``full_every_n_saves`` above ``saves``:
+    every save after the first refers to it). Rank 0 returns each manifest's references."""
+    world = dist.get_world_size()
+    state = replicated_state()
+    state["emb"] = sharded(world, full_sharded())
+    out = []
+    with CheckpointEngine(root, full_every_n_saves=saves + 1) as eng:
+        for step in range(1, saves + 1):
+            state["head"] = torch.full((4,), float(step))
+            result = eng.save(state, step=step).result()
+            if result.manifest is not None:
+                out.append(sorted(result.manifest.referenced_checkpoints))
+    return out
+
+
+def load_incremental(root: str, step: int) -> str:
+    """Load the newest checkpoint at this world size into a fresh state; check it bitwise."""
+    world = dist.get_world_size()
+    fresh = replicated_state(seed=99)
+    fresh["emb"] = sharded(world, torch.zeros(*SHARDED_SHAPE))
+    fresh["head"] = torch.zeros(4)
+    with CheckpointEngine(root) as eng:
+        result = eng.load(fresh)
+    expected = replicated_state()
+    for key, value in expected["model"].items():
+        assert torch.equal(fresh["model"][key], value), key
+    assert torch.equal(fresh["emb"].full_tensor(), full_sharded()), "resharded DTensor differs"
+    assert torch.equal(fresh["head"], torch.full((4,), float(step)))
+    return result.info.name

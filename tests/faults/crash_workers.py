@@ -9,6 +9,8 @@ from lightning_elastic import CheckpointEngine, KeepLastN, RetryPolicy, Storage
 from lightning_elastic.testing.recording import RecordingFileSystem
 
 RUN_ID = "crash-run"
+# never changes: an incremental save refers to it (the same tensor in every save of a process)
+FROZEN = torch.arange(96, dtype=torch.float32) * 3
 
 
 def state_for(step: int) -> dict:
@@ -16,6 +18,7 @@ def state_for(step: int) -> dict:
     return {
         "a": torch.arange(64, dtype=torch.float32) + step,
         "b": torch.full((48,), float(step)),
+        "frozen": FROZEN,
         "meta": {"step": step},
     }
 
@@ -25,10 +28,16 @@ def rank_state_for(step: int, rank: int) -> dict:
 
 
 def record_saves(
-    root: str, log: str, steps: list[int], keep: int, object_store: bool = False
+    root: str,
+    log: str,
+    steps: list[int],
+    keep: int,
+    object_store: bool = False,
+    full_every_n_saves: int | None = None,
 ) -> list[str]:
     """Save ``steps`` (async, each awaited) with ``KeepLastN(keep)``; every mutating storage
-    operation lands in ``log``. Returns the committed names."""
+    operation lands in ``log``. Returns the committed names. ``full_every_n_saves``: saves
+    after the first refer to its unchanged tensor (incremental)."""
     retry = RetryPolicy(deadline_s=5, initial_backoff_s=0.01, max_backoff_s=0.05)
     fs = RecordingFileSystem(log=log, object_store=object_store)
     storage = Storage(root, fs=fs, retry=retry)
@@ -38,6 +47,7 @@ def record_saves(
         run_id=RUN_ID,
         retention=[KeepLastN(keep)],
         timeout=timedelta(seconds=30),
+        full_every_n_saves=full_every_n_saves,
     ) as eng:
         for step in steps:
             handle = eng.save(

@@ -7,6 +7,11 @@ its operation log is then rebuilt in a fresh directory - as written, and with th
 yet closed at the crash emptied - and checked in this process. Nothing here knows the file
 names the protocol uses: a checkpoint counts as committed exactly when its manifest parses
 and every file it lists verifies, and temporary names are the sources of logged renames.
+
+The ``incremental`` recording saves with ``full_every_n_saves=3``: the second and third saves
+refer to the first one's unchanged tensor, so retention must keep the first while deleting
+the second; "committed" then also needs every referenced file to verify, so no crash state
+may show (or load) a checkpoint whose referenced file is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import VALID, Catalog
 from lightning_elastic.core.format.integrity import verify_files
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
+from lightning_elastic.core.format.references import routes
 from lightning_elastic.core.policy.housekeeping import collect_garbage
 from lightning_elastic.errors import CheckpointNotFoundError
 from lightning_elastic.testing.recording import (
@@ -44,6 +50,7 @@ pytestmark = pytest.mark.timeout(240)
 
 STEPS = [1, 2, 3]
 KEEP = 1
+FULL_EVERY = 3  # the incremental recording: steps 2 and 3 refer to step 1's files
 # The engine's default leftover grace (twice its 10-minute timeout): "after the grace period"
 # is emulated by collecting garbage at now + GRACE_S + 1 (see test_after_every_crash_...).
 GRACE_S = 1200.0
@@ -55,24 +62,27 @@ class Recording:
     states: list[CrashState]
     names: list[str]
     object_store: bool
+    full_every_n_saves: int | None = None
 
 
-@pytest.fixture(scope="module", params=["posix", "object-store"])
+@pytest.fixture(scope="module", params=["posix", "object-store", "incremental"])
 def recording(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Recording:
     """The recorded run, through FsspecStorage on a POSIX-like filesystem (temporary name then
-    rename for exclusive files) or on an object store (``xb`` creates, no renames)."""
+    rename for exclusive files) or on an object store (``xb`` creates, no renames);
+    ``incremental``: POSIX, saves that refer to the first one's files."""
     object_store = request.param == "object-store"
+    full_every = FULL_EVERY if request.param == "incremental" else None
     base = tmp_path_factory.mktemp("recorded")
     root, log = base / "root", base / "ops.jsonl"
     names = run_distributed(
-        crash_workers.record_saves, 2, str(root), str(log), STEPS, KEEP, object_store
+        crash_workers.record_saves, 2, str(root), str(log), STEPS, KEEP, object_store, full_every
     )
     assert names[0] == names[1], names
     ops = read_log(log, root)
     states = crash_states(ops, object_store=object_store)
-    return Recording(ops, states, names[0], object_store)
+    return Recording(ops, states, names[0], object_store, full_every)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -117,7 +127,8 @@ def committed(root: Path) -> dict[str, Manifest]:
             manifest = Manifest.from_json((d / MANIFEST_FILE).read_bytes(), str(d))
         except Exception:
             continue
-        if not verify_files(storage.child(d.name), manifest, "full"):
+        ckpt = storage.child(d.name)
+        if not verify_files(ckpt, manifest, "full", routes=routes(ckpt, manifest)):
             out[d.name] = manifest
     return out
 
@@ -132,14 +143,16 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def engine(root: Path, object_store: bool) -> CheckpointEngine:
+def engine(root: Path, recording: Recording) -> CheckpointEngine:
     """A single-process engine of the same run, on the backend the recorded run used."""
+    fs = RecordingFileSystem(object_store=recording.object_store)
     return CheckpointEngine(
-        storage=Storage(str(root), fs=RecordingFileSystem(object_store=object_store)),
+        storage=Storage(str(root), fs=fs),
         coordinator=Coordinator.single_process(),
         run_id=RUN_ID,
         async_save=False,
         retention=[KeepLastN(KEEP)],
+        full_every_n_saves=recording.full_every_n_saves,
     )
 
 
@@ -205,6 +218,13 @@ def leftovers(root: Path, temp_names: set[str], object_store: bool) -> list[str]
 
 def test_the_recorded_run_commits_deletes_and_spans_both_ranks(recording: Recording) -> None:
     assert recording.names == [f"step_{s:09d}" for s in STEPS]
+    if recording.full_every_n_saves:  # the last save refers to the first, which is kept
+        deleted = {
+            op.path.split("/", 1)[0]
+            for op in recording.ops
+            if op.op == "rm_file" and op.path.endswith(f"/{MANIFEST_FILE}")
+        }
+        assert recording.names[1] in deleted and recording.names[0] not in deleted, deleted
     kinds = {op.op for op in recording.ops}
     assert {"open", "write", "close", "rm_file"} <= kinds, kinds
     assert {op.rank for op in recording.ops} == {0, 1}
@@ -260,7 +280,7 @@ def test_every_crash_state_loads_the_newest_committed_save_or_nothing(
     def check(state: CrashState, root: Path) -> None:
         v.checked += 1
         truth = committed(root)
-        with engine(root, recording.object_store) as eng:
+        with engine(root, recording) as eng:
             outcome, warned = load_quietly(eng)
         if isinstance(outcome, CheckpointNotFoundError):
             if truth:
@@ -302,7 +322,7 @@ def test_after_every_crash_the_next_save_succeeds_and_nothing_is_left_over(
 
     def check(state: CrashState, root: Path) -> None:
         v.checked += 1
-        with engine(root, recording.object_store) as eng:
+        with engine(root, recording) as eng:
             outcome, _ = load_quietly(eng)
             if isinstance(outcome, Exception) and not isinstance(outcome, CheckpointNotFoundError):
                 v.add(state, "load() before the next save", repr(outcome))
@@ -326,7 +346,7 @@ def test_after_every_crash_the_next_save_succeeds_and_nothing_is_left_over(
         code, out = run_cli(capsys, "verify", str(root))
         if code != 0:
             v.add(state, "`verify ROOT` exits 0 after recovery", f"exit {code}: {out.strip()}")
-        with engine(root, recording.object_store) as eng:
+        with engine(root, recording) as eng:
             outcome, _ = load_quietly(eng)
         if isinstance(outcome, Exception):
             v.add(state, "the new save loads", repr(outcome))

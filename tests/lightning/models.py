@@ -43,6 +43,7 @@ class TinyModule(pl.LightningModule):
         signal_rank: int = 0,
         step_sleep: float = 0.0,
         dropout: float = 0.3,
+        freeze_first: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -52,6 +53,8 @@ class TinyModule(pl.LightningModule):
             torch.nn.Dropout(dropout),
             torch.nn.Linear(hidden, 1),
         )
+        if freeze_first:  # the fine-tuning shape: a frozen base, a trained head
+            self.net[0].requires_grad_(False)
         self.train_mae = torchmetrics.MeanAbsoluteError()
         # accumulators that depend only on which samples were seen (exact across world sizes)
         self.id_sum = torchmetrics.SumMetric()

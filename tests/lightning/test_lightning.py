@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic import CorruptCheckpointWarning, DistributedCheckpoint, ElasticStrategy
+from lightning_elastic import (
+    CorruptCheckpointWarning,
+    DistributedCheckpoint,
+    ElasticStrategy,
+    TierOptions,
+)
 from lightning_elastic.core.observe.history import read_history
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import ConfigError, ElasticDeprecationWarning
@@ -66,6 +71,29 @@ def test_single_device_resumes_bitwise(tmp_path) -> None:
     # in-process, a SIGKILL would end pytest: the first run just stops at step 12 unsaved
     workers.fit(str(tmp_path / "run"), 12, strategy="auto", devices=1, save_on_train_end=False)
     resumed = workers.fit(str(tmp_path / "run"), MAX_STEPS, strategy="auto", devices=1)
+    assert resumed["resumed_from"].endswith("step_000000010")
+    assert_same_tail(reference, resumed, 10)
+
+
+def test_a_fine_tuning_run_with_incremental_saves_resumes_bitwise(tmp_path) -> None:
+    frozen = {"freeze_first": True}
+    reference = workers.fit(
+        str(tmp_path / "ref"), MAX_STEPS, strategy="auto", devices=1, model_kwargs=frozen
+    )
+    incremental = {"full_every_n_saves": 4, "model_kwargs": frozen}
+    workers.fit(
+        str(tmp_path / "run"),
+        12,
+        strategy="auto",
+        devices=1,
+        save_on_train_end=False,
+        **incremental,
+    )
+    body = json.loads((tmp_path / "run" / "ckpts" / "step_000000010" / "manifest.json").read_text())
+    assert {r["checkpoint"] for r in body["references"]} == {"step_000000005"}  # the frozen layer
+    resumed = workers.fit(
+        str(tmp_path / "run"), MAX_STEPS, strategy="auto", devices=1, **incremental
+    )
     assert resumed["resumed_from"].endswith("step_000000010")
     assert_same_tail(reference, resumed, 10)
 
@@ -135,6 +163,9 @@ def test_save_checkpoint_and_fit_ckpt_path(tmp_path) -> None:
         ({"signals": ["SIGNOPE"]}, "signal"),
         ({"when_busy": "queue"}, "when_busy"),
         ({"compression": "lz4"}, "compression"),
+        ({"full_every_n_saves": 0}, "full_every_n_saves"),
+        ({"full_every_n_saves": 2.0}, "full_every_n_saves must be an integer"),
+        ({"full_every_n_saves": 4, "tiers": TierOptions("/tmp/l")}, "not supported with tiers"),
         ({"keep_last_n": 0}, "keep_last_n"),
         # nothing is coerced: YAML makes these easy to write
         ({"every_n_train_steps": 2.5}, "every_n_train_steps must be an integer"),

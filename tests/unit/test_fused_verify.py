@@ -96,10 +96,10 @@ def full_checks(monkeypatch) -> list[str]:
     checked: list[str] = []
     original = select_module.verify_files
 
-    def verify_files(storage, manifest, mode, files=None):
+    def verify_files(storage, manifest, mode, files=None, *, routes=None):
         if mode == "full":
             checked.extend(r.path for r in (manifest.files if files is None else files))
-        return original(storage, manifest, mode, files)
+        return original(storage, manifest, mode, files, routes=routes)
 
     monkeypatch.setattr(select_module, "verify_files", verify_files)
     return checked

@@ -21,7 +21,9 @@ from lightning_elastic.core.format.manifest import (
     FileRecord,
     Manifest,
     RankRecord,
+    ReferenceRecord,
     Timings,
+    _content_digest,
     check_json_safe,
 )
 from lightning_elastic.errors import ManifestError, UnsupportedFormatError
@@ -53,7 +55,7 @@ def test_roundtrip() -> None:
     text = m.to_json()
     body = json.loads(text)
     assert body["format"] == "lightning_elastic.checkpoint"
-    assert body["format_version"] == FORMAT_VERSION
+    assert body["format_version"] == 2  # without references: readable by version-2 releases
     assert body["total_bytes"] == 13
     assert Manifest.from_json(text, "x") == m
 
@@ -134,3 +136,39 @@ def test_dcp_metadata_rejects_unknown_dtype() -> None:
     body["tensors"]["w"]["dtype"] = "nonsense"
     with pytest.raises(ManifestError, match="nonsense"):
         metadata_from_json(json.dumps(body), "x")
+
+
+def test_a_manifest_with_references_is_format_3_and_roundtrips() -> None:
+    refs = (ReferenceRecord("step_1", "abc-rank00000.distcp", 1000, "beef", 0),)
+    m = make_manifest(references=refs)
+    body = json.loads(m.to_json())
+    assert body["format_version"] == FORMAT_VERSION == 3
+    assert body["references"][0]["checkpoint"] == "step_1"
+    back = Manifest.from_json(m.to_json(), "x")
+    assert back == m and back.referenced_checkpoints == {"step_1"}
+    assert back.total_bytes == 13 and back.referenced_bytes == 1000
+
+
+@pytest.mark.parametrize(
+    "reference",
+    [
+        {"checkpoint": "../elsewhere", "path": "a-rank00000.distcp", "size": 1, "checksum": "ff"},
+        {"checkpoint": "step_1", "path": "a/b", "size": 1, "checksum": "ff"},
+        {"checkpoint": "step_1", "path": "a.distcp", "size": 1, "checksum": "ff"},  # own file
+        {"checkpoint": "step_9", "path": "x.distcp", "size": 1, "checksum": "ff"},  # itself
+        {"checkpoint": "step_1", "path": "x.distcp", "size": -1, "checksum": "ff"},
+        {"checkpoint": "step_1", "path": "x.distcp", "size": 1, "checksum": "XY"},
+    ],
+)
+def test_a_malformed_reference_makes_the_manifest_corrupt(reference) -> None:
+    refs = (ReferenceRecord("step_1", "abc-rank00000.distcp", 1000, "beef", 0),)
+    body = json.loads(make_manifest(references=refs, name="step_9").to_json())
+    body["references"] = [reference]
+    body["manifest_checksum"] = _content_digest(body)
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(body), "x")
+
+
+def test_a_manifest_without_references_is_written_as_version_2_for_older_readers() -> None:
+    body = json.loads(make_manifest().to_json())
+    assert body["format_version"] == 2 and "references" not in body

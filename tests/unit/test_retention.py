@@ -2,17 +2,30 @@ import pytest
 
 from lightning_elastic import KeepAll, KeepBestK, KeepEveryNSteps, KeepLastN
 from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, VALID, CheckpointInfo
+from lightning_elastic.core.format.manifest import ReferenceRecord
 from lightning_elastic.core.policy.retention import plan_deletions
 from lightning_elastic.errors import ConfigError
 from tests.unit.test_manifest import make_manifest
 
 
 def ckpt(
-    step: int, run: str = "me", status: str = VALID, metric: float | None = None
+    step: int,
+    run: str = "me",
+    status: str = VALID,
+    metric: float | None = None,
+    refers_to: tuple[int, ...] = (),
 ) -> CheckpointInfo:
     metrics = {} if metric is None else {"loss": metric}
+    references = tuple(
+        ReferenceRecord(f"step_{s}", f"save{s}-rank00000.distcp", 10, "ff", 0) for s in refers_to
+    )
     manifest = make_manifest(
-        step=step, run_id=run, name=f"step_{step}", created_unix=float(step), metrics=metrics
+        step=step,
+        run_id=run,
+        name=f"step_{step}",
+        created_unix=float(step),
+        metrics=metrics,
+        references=references,
     )
     return CheckpointInfo(
         f"step_{step}", f"/r/step_{step}", status, None if status == INCOMPLETE else manifest
@@ -97,3 +110,25 @@ def test_keep_all_and_no_policy() -> None:
 def test_validation(make) -> None:
     with pytest.raises(ConfigError):
         make()
+
+
+def test_a_checkpoint_a_kept_one_refers_to_is_kept_transitively() -> None:
+    # 40 -> 30 -> 10 (30 is kept for 40, so what 30 reads is kept too); 20 -> 10 goes
+    infos = [
+        ckpt(10),
+        ckpt(20, refers_to=(10,)),
+        ckpt(30, refers_to=(10,)),
+        ckpt(40, refers_to=(30,)),
+    ]
+    assert names(plan_deletions(infos, [KeepLastN(1)], run_id="me")) == ["step_20"]
+
+
+def test_a_reference_from_a_corrupt_or_another_runs_checkpoint_also_keeps_its_target() -> None:
+    # never delete what a checkpoint that stays (for inspection, or another run's) reads from
+    infos = [ckpt(10), ckpt(20, status=CORRUPT, refers_to=(10,)), ckpt(30)]
+    assert names(plan_deletions(infos, [KeepLastN(1)], run_id="me")) == []
+
+
+def test_a_doomed_referrer_does_not_keep_its_target() -> None:
+    infos = [ckpt(10), ckpt(20, refers_to=(10,)), ckpt(30), ckpt(40, refers_to=(30,))]
+    assert names(plan_deletions(infos, [KeepLastN(1)], run_id="me")) == ["step_10", "step_20"]

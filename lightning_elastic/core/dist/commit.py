@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from lightning_elastic.core.forksafe import fork_safe_logger
 from lightning_elastic.core.dist.channel import CommitChannel, CommitDecision
 from lightning_elastic.core.format.dcp_json import ItemLocation, metadata_to_json
+from lightning_elastic.core.format.references import check_references
 from lightning_elastic.core.dist.lease import check_lease
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import (
@@ -31,6 +32,7 @@ from lightning_elastic.core.format.manifest import (
     FileRecord,
     Manifest,
     RankRecord,
+    ReferenceRecord,
     Timings,
     dcp_metadata_file_name,
     shard_file_name,
@@ -130,6 +132,7 @@ def _write_dcp_metadata(
     results, as ``<save_id>-dcp_metadata.json``; the manifest's files and ranks."""
     commit_start = time.monotonic()
     storage_data: dict[MetadataIndex, ItemLocation] = {}
+    references: dict[str, ReferenceRecord] = {}
     files, ranks = [], []
     with paused_gc():  # CPU only, ~10^5 objects at 20,000 tensors: see core/gcpause.py
         for rank in sorted(reports):
@@ -142,6 +145,8 @@ def _write_dcp_metadata(
             for encoded in report["results"]:
                 index, location = decode_result(encoded)
                 storage_data[index] = location
+            for path, checkpoint, size, checksum, holder in report.get("references", ()):
+                references[path] = ReferenceRecord(checkpoint, path, size, checksum, holder)
         assert planned.dcp_metadata is not None
         metadata = dataclasses.replace(
             planned.dcp_metadata, storage_data=storage_data, version="1.0.0"
@@ -152,7 +157,9 @@ def _write_dcp_metadata(
     written = ckpt.write_stream(dcp_file, lambda: (body,), checksum=checksum)
     assert written.checksum is not None
     files.append(FileRecord(dcp_file, written.size, written.checksum, None))
-    return _Commit(tuple(files), tuple(ranks), dcp_file, commit_start)
+    refs = tuple(references[p] for p in sorted(references))
+    check_references(target.storage, refs)
+    return _Commit(tuple(files), tuple(ranks), dcp_file, commit_start, refs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +168,7 @@ class _Commit:
     ranks: tuple[RankRecord, ...]
     dcp_file: str
     started: float
+    references: tuple[ReferenceRecord, ...] = ()
 
 
 def _write_manifest(
@@ -197,6 +205,7 @@ def _write_manifest(
         parent=run.parent,
         generation=None if lease is None else lease.generation,
         dcp_metadata=body.dcp_file,
+        references=body.references,
     )
     if lease is not None:
         check_lease(target.storage, lease)

@@ -9,6 +9,9 @@ On-disk layout of one checkpoint directory (names are the constants below)::
         <save_id>-rank00001.distcp      ... one file per rank that had something to write
         <save_id>-dcp_metadata.json     the DCP metadata (tensor layout, file offsets), as JSON
         manifest.json                   written last, exclusively: its presence commits
+                                        (an incremental save's manifest also lists, under
+                                        ``references``, files of earlier checkpoints of the
+                                        run that hold its unchanged tensors)
         _quarantine.json                present when a verification found the checkpoint corrupt
     <root>/.leases/<run_id>/gen-<n>.json  one per job of a run (see core/dist/lease.py)
     <root>/_history/...                 the run history (see core/observe/history.py)
@@ -43,6 +46,7 @@ __all__ = [
     "Manifest",
     "QuarantineRecord",
     "RankRecord",
+    "ReferenceRecord",
     "StagingRecord",
     "Timings",
     "check_json_safe",
@@ -53,8 +57,11 @@ __all__ = [
 
 FORMAT_NAME = "lightning_elastic.checkpoint"
 # 2: save-unique DCP metadata file, commit sequence and lineage, writer generation, the
-# manifest's own checksum (and optional HMAC). Version 1 manifests are still read.
-FORMAT_VERSION = 2
+# manifest's own checksum (and optional HMAC). 3: ``references`` (incremental saves); a
+# manifest without references is still written as version 2, so full checkpoints stay
+# readable by releases that read version 2. Version 1 manifests are still read.
+FORMAT_VERSION = 3
+_PLAIN_VERSION = 2  # what a manifest without references is written as
 MANIFEST_FILE = "manifest.json"
 DCP_METADATA_FILE = "dcp_metadata.json"  # version 1; version 2 names it per save
 STAGING_FILE = "_staging.json"
@@ -95,6 +102,22 @@ def is_plain_name(name: str) -> bool:
 class FileRecord:
     """One file of the checkpoint, relative to its directory, with size and checksum."""
 
+    path: str
+    size: int
+    checksum: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class ReferenceRecord:
+    """A file of an earlier checkpoint of the same run that this one reads unchanged tensors
+    from (an incremental save): the sibling directory ``checkpoint`` in the same root, the
+    file's name there, and its size and checksum as that checkpoint committed them. The DCP
+    metadata gives the byte range of each item in it. Verification checks the referenced
+    file against this record, so a checkpoint whose referenced file is missing or damaged is
+    corrupt like one whose own file is."""
+
+    checkpoint: str
     path: str
     size: int
     checksum: str
@@ -153,17 +176,36 @@ class Manifest:
     parent: str | None = None
     generation: int | None = None
     dcp_metadata: str = DCP_METADATA_FILE
-    format_version: int = FORMAT_VERSION
+    format_version: int = _PLAIN_VERSION  # FORMAT_VERSION when there are references
+    references: tuple[ReferenceRecord, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.references and self.format_version < FORMAT_VERSION:
+            object.__setattr__(self, "format_version", FORMAT_VERSION)
 
     @property
     def total_bytes(self) -> int:
-        """The size of all the checkpoint's files together, in bytes."""
+        """The size of all the checkpoint's own files together, in bytes (referenced files
+        of earlier checkpoints not included: :attr:`referenced_bytes`)."""
         return sum(f.size for f in self.files)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The size of the earlier checkpoints' files this one reads from, in bytes."""
+        return sum(r.size for r in self.references)
+
+    @property
+    def referenced_checkpoints(self) -> frozenset[str]:
+        """The names of the checkpoints this one reads unchanged tensors from."""
+        return frozenset(r.checkpoint for r in self.references)
 
     def to_json(self, hmac_key: bytes | None = None) -> str:
         """The manifest as JSON, with its own checksum (and an HMAC when a key is given or
-        set in ``LIGHTNING_ELASTIC_HMAC_KEY``)."""
+        set in ``LIGHTNING_ELASTIC_HMAC_KEY``). Without references it is a version 2
+        manifest (as before references existed)."""
         body: dict[str, Any] = {"format": FORMAT_NAME, **asdict(self)}
+        if not self.references:
+            del body["references"]
         body["total_bytes"] = self.total_bytes
         body["manifest_checksum"] = _content_digest(body)
         key = hmac_key if hmac_key is not None else _env_key()
@@ -211,10 +253,15 @@ def _parse(cls: type[Manifest], data: Mapping[str, Any], version: int) -> Manife
     dcp_metadata = _name(data.get("dcp_metadata", DCP_METADATA_FILE), "dcp_metadata")
     if dcp_metadata not in {f.path for f in files}:
         raise ValueError(f"the DCP metadata file {dcp_metadata!r} is not among the files")
+    name = _name(data["name"], "name")
+    references: tuple[ReferenceRecord, ...] = ()
+    if version >= 3:
+        references = tuple(_reference(r, world_size) for r in _list(data["references"], "refs"))
+    _check_references(references, files, name)
     return cls(
         run_id=_str(data["run_id"], "run_id"),
         save_id=_str(data["save_id"], "save_id"),
-        name=_name(data["name"], "name"),
+        name=name,
         step=_int(data["step"], "step"),
         epoch=None if data["epoch"] is None else _int(data["epoch"], "epoch"),
         created_unix=_float(data["created_unix"], "created_unix", high=_MAX_UNIX),
@@ -243,7 +290,28 @@ def _parse(cls: type[Manifest], data: Mapping[str, Any], version: int) -> Manife
         ),
         dcp_metadata=dcp_metadata,
         format_version=version,
+        references=references,
     )
+
+
+def _reference(value: Any, world_size: int) -> ReferenceRecord:
+    f = _file(value, world_size)
+    r = _dict(value, "references[]")
+    return ReferenceRecord(_name(r["checkpoint"], "checkpoint"), f.path, f.size, f.checksum, f.rank)
+
+
+def _check_references(
+    references: Sequence[ReferenceRecord], files: Sequence[FileRecord], name: str
+) -> None:
+    """A referenced file is another checkpoint's and named once: its save-unique name never
+    collides with this checkpoint's own files."""
+    paths = [r.path for r in references]
+    if len(set(paths)) != len(paths):
+        raise ValueError("references list a file twice")
+    if set(paths) & {f.path for f in files}:
+        raise ValueError("a referenced file has the name of one of the checkpoint's own files")
+    if any(r.checkpoint == name for r in references):
+        raise ValueError("a checkpoint refers to itself")
 
 
 def _rank(value: Any) -> RankRecord:

@@ -28,6 +28,7 @@ from lightning_elastic.core.format.catalog import (
 )
 from lightning_elastic.core.format.integrity import check_verify_mode, raise_first, verify_files
 from lightning_elastic.core.format.optimizer_state import is_named, named_to_positional
+from lightning_elastic.core.format.references import reference_records, routes
 from lightning_elastic.core.load.load import read_full_state
 from lightning_elastic.core.load.select import select_checkpoint
 from lightning_elastic.core.storage.base import Storage, local_path
@@ -158,14 +159,15 @@ def _verified(
     if info.status != VALID or info.manifest is None:
         raise CheckpointNotFoundError(f"{info.location} is {info.status}: {info.problem}")
     manifest, ckpt = info.manifest, root.child(info.name)
+    paths = routes(ckpt, manifest)  # an incremental checkpoint's referenced files
     if verify != "full":
-        raise_first(info.location, verify_files(ckpt, manifest, verify))
+        raise_first(info.location, verify_files(ckpt, manifest, verify, routes=paths))
         return info
-    bar = _bar(progress, "verifying", _total_bytes(info))
+    bar = _bar(progress, "verifying", _total_bytes(info) + manifest.referenced_bytes)
     try:
         problems = []
-        for record in manifest.files:  # one file at a time, for the progress bar
-            problems += verify_files(ckpt, manifest, "full", files=[record])
+        for record in (*manifest.files, *reference_records(manifest)):  # one at a time
+            problems += verify_files(ckpt, manifest, "full", files=[record], routes=paths)
             bar.update(record.size)
     finally:
         bar.close()

@@ -37,6 +37,7 @@ from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
 from lightning_elastic.core.format.dcp_json import ItemLocation, read_checkpoint_metadata
 from lightning_elastic.core.format.integrity import Problem
 from lightning_elastic.core.format.manifest import Manifest
+from lightning_elastic.core.format.references import read_manifest, routes
 from lightning_elastic.core.format.skeleton import Skeleton, build, subtree
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.load.per_rank import PerRankRule, restore_per_rank
@@ -155,9 +156,15 @@ def _load_checkpoint(
         warn_trusted(info.location)
     start = time.monotonic()
     ckpt = storage.child(info.name)
-    metadata, skeleton = read_checkpoint_metadata(ckpt)
+    metadata, skeleton = read_checkpoint_metadata(ckpt, manifest)
     share = fused_share(manifest, coord.rank, coord.world_size) if fused else []
-    reader = ShardReader(ckpt, metadata, verify=share, algorithm=manifest.checksum_algorithm)
+    reader = ShardReader(
+        ckpt,
+        metadata,
+        verify=share,
+        algorithm=manifest.checksum_algorithm,
+        routes=routes(ckpt, manifest),
+    )
     failure: Exception | None = None
     try:
         if state is None:
@@ -307,8 +314,9 @@ def read_rank_states(
     if trusted:
         warn_trusted(info.location)
     ckpt = storage.child(info.name)
-    metadata, skeleton = read_checkpoint_metadata(ckpt)
-    reader = ShardReader(ckpt, metadata)
+    manifest = info.manifest or read_manifest(ckpt)
+    metadata, skeleton = read_checkpoint_metadata(ckpt, manifest)
+    reader = ShardReader(ckpt, metadata, routes=routes(ckpt, manifest))
     coord = Coordinator.single_process()
     out: dict[int, Any] = {}
     saved_world = info.manifest.world_size if info.manifest is not None else 0
@@ -349,11 +357,12 @@ def read_into(ckpt: Storage, state: dict[str, Any], *, trusted: bool = False) ->
     """Fill ``state`` (a :func:`read_template`, whole or pruned) from checkpoint ``ckpt`` in
     this process, no collective: only the bytes of the entries it holds are read (DCP
     reshards N -> 1). ``trusted`` as for :func:`load_checkpoint`."""
-    metadata, _ = read_checkpoint_metadata(ckpt)
+    manifest = read_manifest(ckpt)
+    metadata, _ = read_checkpoint_metadata(ckpt, manifest)
     info = CheckpointInfo(ckpt.url, ckpt.display(), VALID)
     if trusted:
         warn_trusted(info.location)
-    reader = ShardReader(ckpt, metadata)
+    reader = ShardReader(ckpt, metadata, routes=routes(ckpt, manifest))
     coord = Coordinator.single_process()
     _dcp_load(state, reader, _LoadPlanner(trusted=trusted), coord, info, collective=False)
 

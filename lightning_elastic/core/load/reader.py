@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -59,6 +59,9 @@ class ShardReader(StorageReader):
     such a file is hashed in file order as it lands, the bytes this rank does not need are
     read through a scratch buffer, and :meth:`finish_verification` hashes what is left and
     compares. A file's checksum covers all of it, so exactly one rank verifies each file.
+
+    ``routes``: where the files an incremental checkpoint refers to live (their own
+    checkpoints' directories, :func:`~lightning_elastic.core.format.references.routes`).
     """
 
     def __init__(
@@ -68,9 +71,12 @@ class ShardReader(StorageReader):
         *,
         verify: Sequence[FileRecord] = (),
         algorithm: str = "xxh3_64",
+        routes: Mapping[str, Storage] | None = None,
     ) -> None:
         super().__init__()
         self.storage = storage
+        # an incremental checkpoint's referenced files, in their own checkpoints' directories
+        self.routes = dict(routes or {})
         self.metadata = metadata
         self.bytes_read = 0
         self.algorithm = algorithm
@@ -141,7 +147,7 @@ class ShardReader(StorageReader):
         """Fill ``ranges`` of ``file``; hashing it on the way when this reader verifies it."""
         check = self._checks.get(file)
         if check is None:
-            self.storage.read_ranges(file, ranges)
+            self.at(file).read_ranges(file, ranges)
             return
         queued: list[tuple[int, memoryview, int]] = []  # (offset, out, bytes already hashed)
         for offset, out in sorted(ranges, key=lambda r: r[0]):
@@ -155,7 +161,8 @@ class ShardReader(StorageReader):
         """Read what is queued (one ``read_ranges`` call), then hash it in order."""
         if queued:
             try:
-                self.storage.read_ranges(check.record.path, [(o, out) for o, out, _ in queued])
+                path = check.record.path
+                self.at(path).read_ranges(path, [(o, out) for o, out, _ in queued])
             except BaseException:
                 check.failed = True  # the hash misses these bytes: no verdict on this file
                 raise
@@ -220,7 +227,7 @@ class ShardReader(StorageReader):
         """The problem with ``record``'s file when it is gone or its size changed since
         selection checked it; ``None`` when its size is right or cannot be told."""
         try:
-            size = self.storage.size(record.path)
+            size = self.at(record.path).size(record.path)
         except StorageNotFoundError:
             return Problem(record.path, "file is missing")
         except StorageError:
@@ -231,13 +238,17 @@ class ShardReader(StorageReader):
 
     # helpers ---------------------------------------------------------------------------
 
+    def at(self, file: str) -> Storage:
+        """The directory that holds ``file``: the checkpoint's, or a referenced one's."""
+        return self.routes.get(file, self.storage)
+
     def _read_item(self, location: ItemLocation) -> bytes:
         if location.file in self._checks:
             out = memoryview(bytearray(location.length))
             self.read_ranges(location.file, [(location.offset, out)])
             raw = bytes(out)
         else:
-            raw = self.storage.read_bytes(location.file, location.offset, location.length)
+            raw = self.at(location.file).read_bytes(location.file, location.offset, location.length)
         self.bytes_read += len(raw)
         if not location.transforms:
             return raw

@@ -16,6 +16,7 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.format.catalog import CORRUPT, INCOMPLETE, Catalog, CheckpointInfo
 from lightning_elastic.core.format.integrity import Problem, raise_first, verify_files
 from lightning_elastic.core.format.manifest import SHARD_SUFFIX, FileRecord, Manifest
+from lightning_elastic.core.format.references import reference_records, routes
 from lightning_elastic.core.policy.retention import KeepBestK
 from lightning_elastic.core.storage.base import Storage
 from lightning_elastic.errors import (
@@ -134,7 +135,7 @@ def fused_share(manifest: Manifest, rank: int, world_size: int) -> list[FileReco
     """The shard files whose checksums ``rank`` computes while a fused load reads them: each
     file by one rank, its writer's rank modulo the world size (at the same world size every
     rank verifies the file it wrote, the one it reads most of)."""
-    shards = [r for r in manifest.files if _is_shard(r)]
+    shards = [r for r in (*manifest.files, *reference_records(manifest)) if _is_shard(r)]
     return [
         r
         for i, r in enumerate(shards)
@@ -152,11 +153,14 @@ def _verify(
     assert info.manifest is not None
     manifest = info.manifest
     ckpt = storage.child(info.name)
+    paths = routes(ckpt, manifest)
     if mode == "size":
         return coord.broadcast(
-            Phase.LOAD_VERIFY, lambda: verify_files(ckpt, manifest, mode), error=CheckpointLoadError
+            Phase.LOAD_VERIFY,
+            lambda: verify_files(ckpt, manifest, mode, routes=paths),
+            error=CheckpointLoadError,
         )
-    records = list(manifest.files)
+    records = [*manifest.files, *reference_records(manifest)]
     sized: list[FileRecord] = []
     if fused and mode == "full":  # the load hashes the shard files as it reads them
         sized = [r for r in records if _is_shard(r)]
@@ -164,9 +168,9 @@ def _verify(
     share = records[coord.rank :: coord.world_size]
 
     def check() -> list[Problem]:
-        problems = verify_files(ckpt, manifest, mode, share)
+        problems = verify_files(ckpt, manifest, mode, share, routes=paths)
         if sized and coord.rank == 0:
-            problems += verify_files(ckpt, manifest, "size", sized)
+            problems += verify_files(ckpt, manifest, "size", sized, routes=paths)
         return problems
 
     verdicts = coord.all_gather(Phase.LOAD_VERIFY, check, error=CheckpointLoadError)

@@ -32,6 +32,7 @@ from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.dist.lease import take_lease
 from lightning_elastic.core.format.catalog import Catalog, CheckpointInfo
 from lightning_elastic.core.load.walk import Candidates, Filters
+from lightning_elastic.core.save.incremental import Increments
 from lightning_elastic.core.save.request import (
     PlannedSave,
     RunState,
@@ -130,7 +131,9 @@ def save_target(
         timeout_s=config.timeout_s,
     )
     arena = HostArena(pin_memory=torch.cuda.is_available())
-    return SaveTarget(storage, catalog, coordinator, channel, arena, config)
+    n = config.full_every_n_saves
+    increments = Increments(n) if n is not None and n > 1 else None
+    return SaveTarget(storage, catalog, coordinator, channel, arena, config, increments)
 
 
 def lease_target(target: SaveTarget, run: RunState, *, renew: bool = False) -> None:

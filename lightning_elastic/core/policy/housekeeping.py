@@ -86,7 +86,18 @@ def delete_checkpoint(
     gone). What is deleted is therefore what the directory held *before* the manifest went
     (the manifest itself only if it was there then), less another save's claim and a record
     still being written (its temporary file); the directory itself only when nothing else is
-    left in it."""
+    left in it.
+
+    A checkpoint another one refers to (an incremental save reads unchanged tensors from its
+    files) is not deleted: it stays as long as a checkpoint referring to it does."""
+    referrers = sorted(
+        i.name
+        for i in catalog.scan()
+        if i.manifest is not None and i.name != name and name in i.manifest.referenced_checkpoints
+    )
+    if referrers:  # an incremental checkpoint reads from it: it stays while that one does
+        log.info("keeping %s: %s refer(s) to its files", storage.display(name), referrers)
+        return
     held = storage.listdir(name)
     saves = {e.name.split("-", 1)[0] for e in held if is_save_file(e.name)}
     doomed = saves if save_id is None else {save_id}

@@ -7,7 +7,10 @@ A checkpoint survives when *any* policy keeps it. Whatever the policies say,
   ones are leftovers, cleaned separately);
 * a checkpoint of another run id sharing the directory;
 * the newest valid checkpoint in the directory, and the newest of this run;
-* a protected checkpoint (the one this run resumed from).
+* a protected checkpoint (the one this run resumed from);
+* a checkpoint that a checkpoint it keeps refers to (an incremental save reads unchanged
+  tensors from it), transitively: the references are read from the manifests themselves, so
+  nothing but the manifests on storage decides what is still needed.
 
 Deleting is the caller's job and goes manifest first, then data, so a crash in between
 leaves an incomplete directory, never a committed checkpoint with missing files.
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lightning_elastic.core.format.catalog import VALID, CheckpointInfo
+from lightning_elastic.core.format.references import referenced_closure
 from lightning_elastic.core.options import check_choice, check_count
 from lightning_elastic.errors import ConfigError
 
@@ -133,4 +137,7 @@ def plan_deletions(
         keep.add(valid[-1].name)
     if mine:
         keep.add(mine[-1].name)
-    return [c for c in mine if c.name not in keep]
+    doomed = {c.name for c in mine if c.name not in keep}
+    survivors = {c.name for c in ordered} - doomed
+    needed = referenced_closure({c.name: c.manifest for c in ordered}, survivors)
+    return [c for c in mine if c.name in doomed and c.name not in needed]

@@ -84,6 +84,11 @@ def finish_save(
     write_start = time.monotonic()
     snapshot = planned.snapshot
     report = _write_and_report(target, planned, payload, staging_s)
+    written = report.pop("written", ())  # DCP's results of this rank's own file
+    selection = report.pop("selection", None)  # incremental: what it wrote and referred to
+    if selection is not None and report["ok"]:
+        report["references"] = target.increments.references(selection)  # type: ignore[union-attr]
+        report["results"] += [encode_result(r) for r in selection.results()]
     writing_s = time.monotonic() - write_start
     waited_s = 0.0
     if snapshot is not None:
@@ -102,7 +107,21 @@ def finish_save(
     finally:
         channel.ack(planned.save_id)
     if not decision.committed:
+        if target.increments is not None:
+            target.increments.reset()  # the next save is full
         raise decision.error(what)
+    if selection is not None:
+        assert target.increments is not None
+        shard = report.get("file")
+        target.increments.committed(
+            selection,
+            {} if planned.increment is None else planned.increment.evidence,
+            planned.name,
+            written,
+            None
+            if shard is None
+            else (shard_file_name(planned.save_id, coord.rank), shard[0], shard[1], coord.rank),
+        )
     run.committed(planned.name)  # the next save continues this one
     if manifest is not None and housekeeping:
         housekeep(target, run, manifest)
@@ -152,6 +171,11 @@ def _write_and_report(
             snapshot.run()
             staging_s += snapshot.copy_s
             start = time.monotonic()
+        selection = None
+        if target.increments is not None:  # incremental: write only what changed (the
+            # staged bytes are hashed: with a lazy snapshot, after its copy)
+            selection = target.increments.select(payload, planned.increment, planned.name)
+            payload = selection.payload
         shard = None
         if payload.items:
             shard = write_shard(
@@ -172,6 +196,8 @@ def _write_and_report(
             "file": None if shard is None else [shard.written.size, shard.written.checksum],
             "results": results,
             "rank": dataclasses.asdict(record),
+            "written": () if shard is None else shard.results,  # stays on this rank
+            "selection": selection,  # stays on this rank
         }
     except Exception as exc:
         failure = RankFailure.from_exception(coord.rank, Phase.WRITE, exc)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from lightning_elastic.core.format.manifest import Manifest
     from lightning_elastic.core.format.skeleton import Skeleton
     from lightning_elastic.core.policy.retention import RetentionPolicy
+    from lightning_elastic.core.save.incremental import Increments, Preselected
     from lightning_elastic.core.save.plan import PlanCache
     from lightning_elastic.core.save.snapshot import LazySnapshot
     from lightning_elastic.core.save.stage import HostArena
@@ -65,6 +66,9 @@ class SaveConfig:
     # rank 0 writes the small replicated items (save/plan.py small_replicated_to_lowest):
     # multi-tier, so a node's ranks read two files of a sharded state, not every file
     small_replicated_to_lowest: bool = False
+    # incremental saves (core/save/incremental.py): every n-th save is full, the others
+    # refer to the unchanged tensors of the previous ones (None or 1: every save is full)
+    full_every_n_saves: int | None = None
 
     def __post_init__(self) -> None:
         # save.write imports torch; importing it here, not at the top, keeps this module
@@ -78,6 +82,14 @@ class SaveConfig:
             raise ConfigError(f"leftover_grace must be >= 0, got {grace}")
         check_compression(self.compression)
         new_hasher(self.checksum)  # validates the name
+        if self.full_every_n_saves is not None:
+            from lightning_elastic.core.options import check_count
+
+            object.__setattr__(
+                self,
+                "full_every_n_saves",
+                check_count(self.full_every_n_saves, "full_every_n_saves"),
+            )
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class SaveTarget:
     channel: CommitChannel
     arena: HostArena
     config: SaveConfig
+    increments: Increments | None = None  # this rank's base for incremental saves
 
 
 class RunState:
@@ -227,6 +240,8 @@ class PlannedSave:
     # a lazy snapshot: the staging copy the writer thread makes before writing
     snapshot: LazySnapshot | None = None
     snapshot_mode: str = "blocking"  # what SaveResult.snapshot says without a lazy snapshot
+    # incremental saves: what the save point decided (core/save/incremental.py)
+    increment: Preselected | None = None
 
 
 @dataclass(frozen=True)

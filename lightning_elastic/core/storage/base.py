@@ -126,6 +126,19 @@ class Storage:
         sub.root = self.full(clean)
         return sub
 
+    def parent(self) -> Storage:
+        """The storage rooted one directory up, sharing this one's settings: where an
+        incremental checkpoint's sibling checkpoints are (its referenced files)."""
+        url, root = self.url.rstrip("/"), self.root.rstrip("/")
+        if "/" not in url.split("://", 1)[-1] or "/" not in root:
+            raise StorageError("resolve", self.display(), "a storage root has no parent")
+        up = self._copy()
+        for attr in [a for a in vars(up) if callable(getattr(type(up), a, None))]:
+            delattr(up, attr)  # a method patched on this instance (a read counter) stays here
+        up.url = url.rsplit("/", 1)[0] or "/"
+        up.root = root.rsplit("/", 1)[0] or "/"
+        return up
+
     def full(self, rel: str = "") -> str:
         """The backend's absolute path of ``rel`` (validated: see :func:`check_rel_path`)."""
         rel = check_rel_path(rel)
