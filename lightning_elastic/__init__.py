@@ -45,6 +45,8 @@ _EXPORTS = {
     "TierOptions": "lightning_elastic.core.options",
     "SaveHandle": "lightning_elastic.core.save.inflight",
     "SaveResult": "lightning_elastic.core.save.request",
+    "guard_optimizers": "lightning_elastic.core.save.snapshot",
+    "guarded_tensors": "lightning_elastic.core.save.snapshot",
     "RetryPolicy": "lightning_elastic.core.storage.retry",
     "Storage": "lightning_elastic.core.storage.base",
     "DistributedCheckpoint": "lightning_elastic.lightning.callback",
@@ -90,6 +92,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     )
     from lightning_elastic.core.save.inflight import SaveHandle
     from lightning_elastic.core.save.request import SaveResult
+    from lightning_elastic.core.save.snapshot import guard_optimizers, guarded_tensors
     from lightning_elastic.core.storage.base import Storage
     from lightning_elastic.core.storage.retry import RetryPolicy
     from lightning_elastic.errors import *  # noqa: F403  (exactly errors.__all__)

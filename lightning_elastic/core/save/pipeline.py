@@ -31,7 +31,7 @@ from lightning_elastic.core.format.manifest import Manifest, RankRecord, shard_f
 from lightning_elastic.core.gcpause import paused_gc
 from lightning_elastic.core.policy.housekeeping import after_commit
 from lightning_elastic.core.save.request import PlannedSave, RunState, SaveResult, SaveTarget
-from lightning_elastic.core.save.snapshot import LazyRule, TensorChanged
+from lightning_elastic.core.save.snapshot import LazyRule, _TensorChanged
 from lightning_elastic.core.save.stage import (
     Payload,
     direct_payload,
@@ -201,7 +201,7 @@ def _write_and_report(
         }
     except Exception as exc:
         failure = RankFailure.from_exception(coord.rank, Phase.WRITE, exc)
-        if isinstance(exc, TensorChanged):  # not an I/O failure: the commit says which
+        if isinstance(exc, _TensorChanged):  # not an I/O failure: the commit says which
             failure = RankFailure(coord.rank, Phase.WRITE, SnapshotChangedError.__name__, str(exc))
             log.warning("rank %d: %s", coord.rank, exc)
         else:

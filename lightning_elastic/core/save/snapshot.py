@@ -13,7 +13,7 @@ a plain-PyTorch loop through :func:`guard_optimizers` (torch's optimizer step pr
 A change nobody guards (a user's in-place update of a parameter between the save point and the
 copy) is caught by the tensors' version counters: recorded at the save point, compared before
 and after each batch of copies and once more before the rank reports its shard written. A
-changed tensor fails the save with :class:`TensorChanged` (the commit turns it into
+changed tensor fails the save with :class:`_TensorChanged` (the commit turns it into
 :class:`~lightning_elastic.errors.SnapshotChangedError` on every rank): a mixed state is never
 committed. An update made through ``.data`` bypasses the counter (autograd gives ``.data`` a
 counter of its own) and cannot be seen: guard it with :meth:`LazySnapshot.wait`.
@@ -40,7 +40,7 @@ __all__ = [
     "SNAPSHOT_MODES",
     "LazyRule",
     "LazySnapshot",
-    "TensorChanged",
+    "_TensorChanged",
     "guard_optimizers",
     "guarded_tensors",
     "storage_key",
@@ -52,7 +52,7 @@ SNAPSHOT_MODES = ("blocking", "lazy")
 BATCH_BYTES = 64 << 20
 
 
-class TensorChanged(RuntimeError):
+class _TensorChanged(RuntimeError):
     """A tensor of a lazy snapshot changed in place between the save point and its copy."""
 
 
@@ -168,7 +168,7 @@ class LazySnapshot:
 
     def run(self) -> None:
         """Writer thread: copy every source into its target, batch by batch, comparing the
-        version counters around each batch; raises :class:`TensorChanged` on a change (the
+        version counters around each batch; raises :class:`_TensorChanged` on a change (the
         copy is given up: its bytes are not the save point's). Ends the wait either way."""
         start = time.monotonic()
         try:
@@ -192,7 +192,7 @@ class LazySnapshot:
             self._finish()
 
     def check(self) -> None:
-        """Writer thread, after the write: raise :class:`TensorChanged` if any source changed
+        """Writer thread, after the write: raise :class:`_TensorChanged` if any source changed
         since the save point. An in-place update still running while its tensor was copied
         bumps the counter only when it ends; this last look catches one that ended during the
         write. Once the training thread reached a guard, the counters as they were then are
@@ -204,7 +204,7 @@ class LazySnapshot:
                 seen = [version_counter(s) for s in self._sources]
         for k, now in enumerate(seen):
             if now != self._versions[k]:
-                raise TensorChanged(self._changed(k, now))
+                raise _TensorChanged(self._changed(k, now))
 
     def release(self) -> None:
         """Drop the references to the live tensors (after the write)."""
@@ -215,7 +215,7 @@ class LazySnapshot:
         for k in range(lo, hi):
             now = version_counter(self._sources[k])
             if now != self._versions[k]:
-                raise TensorChanged(self._changed(k, now))
+                raise _TensorChanged(self._changed(k, now))
 
     def _changed(self, k: int, now: int) -> str:
         return (
