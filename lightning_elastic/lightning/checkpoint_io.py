@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -220,8 +221,9 @@ class ElasticCheckpointIO(CheckpointIO):
             self._delete(root, name, location)
 
     def teardown(self) -> None:
-        """Wait for every save in flight (raising the first failure after all are closed) and
-        release the engines; a later save starts new ones."""
+        """Wait for every save in flight (raising the first failure after all are closed, or
+        logging it while another exception is being handled) and release the engines; a later
+        save starts new ones."""
         with self._lock:
             directories, self._directories = self._directories, {}
             errors = []
@@ -234,6 +236,13 @@ class ElasticCheckpointIO(CheckpointIO):
                     directory.engine.close()
                 except Exception as exc:
                     errors.append(exc)
+        if errors and sys.exc_info()[1] is not None:
+            # Lightning tears down inside the `except` block of a crashed fit (and before its
+            # KeyboardInterrupt exit): raising here would replace the user's exception with
+            # ours, so the save failure is logged and the crash propagates
+            for exc in errors:
+                log.error("while handling another exception: %s", exc)
+            return
         if errors:
             raise errors[0]
 

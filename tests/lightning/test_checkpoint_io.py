@@ -371,6 +371,37 @@ def test_teardown_waits_for_the_save_in_flight(tmp_path) -> None:
     plugin.teardown()
 
 
+class Crashes(Monitored):
+    """Raises its own error at step 5, after ModelCheckpoint's save at step 4."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 5:
+            raise RuntimeError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_save_failing_while_training_crashes_does_not_hide_the_crash(tmp_path, caplog) -> None:
+    # Lightning tears down inside its `except` block: a save error raised there would replace
+    # the user's exception (and skip the KeyboardInterrupt handling after the teardown)
+    fault = Fault("write", "*.distcp", "EACCES", times=0)
+    plugin = ElasticCheckpointIO(storage_options={"faults": [fault]})
+    callback = ModelCheckpoint(dirpath=f"faulty://{tmp_path}/ckpts", every_n_train_steps=4)
+    trainer = make_trainer(
+        str(tmp_path),
+        max_steps=12,
+        strategy="auto",
+        devices=1,
+        callbacks=[callback],
+        plugins=[plugin],
+    )
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="the user's own"):
+        trainer.fit(Crashes(n=16, hidden=16))
+    assert "epoch=0-step=4.ckpt was not committed" in caplog.text  # said, not lost
+    with pytest.raises(CheckpointSaveError):  # outside an exception, teardown still raises
+        plugin.save_checkpoint({"w": torch.ones(2)}, f"faulty://{tmp_path}/ckpts/b.ckpt")
+        plugin.teardown()
+
+
 def test_links_and_files_of_other_runs_are_removed_as_lightning_removes_them(tmp_path) -> None:
     plugin = ElasticCheckpointIO()
     plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
