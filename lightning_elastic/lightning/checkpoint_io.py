@@ -240,8 +240,8 @@ class ElasticCheckpointIO(CheckpointIO):
             # Lightning tears down inside the `except` block of a crashed fit (and before its
             # KeyboardInterrupt exit): raising here would replace the user's exception with
             # ours, so the save failure is logged and the crash propagates
-            for exc in errors:
-                log.error("while handling another exception: %s", exc)
+            for error in errors:
+                log.error("while handling another exception: %s", error)
             return
         if errors:
             raise errors[0]
