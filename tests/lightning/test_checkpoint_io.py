@@ -402,6 +402,16 @@ def test_a_save_failing_while_training_crashes_does_not_hide_the_crash(tmp_path,
         plugin.teardown()
 
 
+def test_a_key_that_would_load_back_as_a_string_is_refused_when_saved(tmp_path) -> None:
+    # fabric.save(path, {"counts": {(0, 1): 5}}) loaded back {"counts": {"(0, 1)": 5}}
+    plugin = ElasticCheckpointIO()
+    with pytest.raises(ConfigError, match=r"cannot save the key \(0, 1\) \(tuple\) of counts"):
+        plugin.save_checkpoint({"counts": {(0, 1): 5}, "w": torch.ones(2)}, tmp_path / "a.ckpt")
+    plugin.save_checkpoint({"counts": {"0,1": 5, 7: 1}}, tmp_path / "a.ckpt")  # still usable
+    assert plugin.load_checkpoint(tmp_path / "a.ckpt")["counts"] == {"0,1": 5, 7: 1}
+    plugin.teardown()
+
+
 def test_links_and_files_of_other_runs_are_removed_as_lightning_removes_them(tmp_path) -> None:
     plugin = ElasticCheckpointIO()
     plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
