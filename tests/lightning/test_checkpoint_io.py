@@ -32,6 +32,7 @@ from lightning_elastic import (
     ElasticStrategy,
     IntegrityError,
     Storage,
+    UnsupportedFormatError,
     consolidate,
 )
 from lightning_elastic.core.format.catalog import Catalog
@@ -300,6 +301,26 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_that_verifies_and_says_so(
         pytest.raises(CheckpointNotFoundError, match=r"no checkpoint of .* verifies"),
     ):
         fit(tmp_path, ours=True, ckpt_path="last")
+
+
+def test_ckpt_path_last_warns_of_an_unreadable_manifest_and_refuses_a_newer_format(
+    tmp_path,
+) -> None:
+    # a manifest that does not parse was skipped without a word (only a checkpoint whose files
+    # failed verification was warned about); one of a newer format was skipped too, and the
+    # resume silently went back to an older checkpoint
+    fit(tmp_path, ours=True, every_n_train_steps=4, save_top_k=-1)
+    manifest = tmp_path / "ckpts" / "epoch=2-step=12.ckpt" / MANIFEST_FILE
+    data = manifest.read_text()
+    manifest.write_text("{garbage")
+    with pytest.warns(CorruptCheckpointWarning, match=r"epoch=2-step=12\.ckpt.*not valid JSON"):
+        trainer, _, _ = fit(tmp_path, ours=True, max_steps=14, ckpt_path="last")
+    assert trainer.ckpt_path == str(tmp_path / "ckpts" / "epoch=1-step=8.ckpt")
+    newer = json.loads(data)
+    newer["format_version"] = 99
+    manifest.write_text(json.dumps(newer))
+    with pytest.raises(UnsupportedFormatError, match="epoch=2-step=12"):
+        fit(tmp_path, ours=True, max_steps=14, ckpt_path="last")
 
 
 def test_ckpt_path_last_without_checkpoints_starts_fresh_and_says_why_when_none_committed(
