@@ -35,6 +35,7 @@ from lightning_elastic import (
     UnsupportedFormatError,
     consolidate,
 )
+from lightning_elastic.cli import main
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.lightning.checkpoint_io_rules import check_strategy
@@ -431,6 +432,21 @@ def test_a_key_that_would_load_back_as_a_string_is_refused_when_saved(tmp_path) 
     plugin.save_checkpoint({"counts": {"0,1": 5, 7: 1}}, tmp_path / "a.ckpt")  # still usable
     assert plugin.load_checkpoint(tmp_path / "a.ckpt")["counts"] == {"0,1": 5, 7: 1}
     plugin.teardown()
+
+
+def test_consolidate_reads_the_checkpoint_a_save_last_link_names(tmp_path) -> None:
+    # save_last="link": `lightning-elastic consolidate ckpts/last.ckpt model.ckpt` said "no
+    # checkpoint at ckpts/last.ckpt" (listings below a root never follow links)
+    plugin = ElasticCheckpointIO()
+    plugin.save_checkpoint({"w": torch.ones(2), "global_step": 3}, tmp_path / "a.ckpt")
+    plugin.teardown()
+    (tmp_path / "last.ckpt").symlink_to("a.ckpt")
+    assert consolidate(tmp_path / "last.ckpt", tmp_path / "model.ckpt")["global_step"] == 3
+    assert torch.load(tmp_path / "model.ckpt")["global_step"] == 3
+    link = str(tmp_path / "last.ckpt")
+    verbs = (["consolidate", link, str(tmp_path / "m.ckpt")], ["verify", link], ["inspect", link])
+    for argv in verbs:
+        assert main(argv) == 0, argv
 
 
 def test_links_and_files_of_other_runs_are_removed_as_lightning_removes_them(tmp_path) -> None:
