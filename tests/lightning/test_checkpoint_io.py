@@ -449,6 +449,29 @@ def test_consolidate_reads_the_checkpoint_a_save_last_link_names(tmp_path) -> No
         assert main(argv) == 0, argv
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.eye(3).to_sparse(),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+    ],
+    ids=["sparse-coo", "sparse-csr", "quantized"],
+)
+def test_a_tensor_the_staging_copy_cannot_hold_is_refused_naming_its_key(tmp_path, make) -> None:
+    tensor = make()
+    # torch.save takes them; the staging copy into the dense host buffer raised a bare
+    # RuntimeError ("copy_() between dense and sparse Tensors is not implemented")
+    plugin = ElasticCheckpointIO()
+    with pytest.raises(ConfigError, match=r"buffers\.table"):
+        plugin.save_checkpoint({"buffers": {"table": tensor}, "w": torch.ones(2)}, tmp_path / "a")
+    plugin.save_checkpoint({"buffers": {"table": torch.ones(3)}}, tmp_path / "a")  # usable
+    assert torch.equal(plugin.load_checkpoint(tmp_path / "a")["buffers"]["table"], torch.ones(3))
+    plugin.teardown()
+
+
 def test_links_and_files_of_other_runs_are_removed_as_lightning_removes_them(tmp_path) -> None:
     plugin = ElasticCheckpointIO()
     plugin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
