@@ -422,6 +422,12 @@ def test_a_save_failing_while_training_crashes_does_not_hide_the_crash(tmp_path,
     with pytest.raises(CheckpointSaveError):  # outside an exception, teardown still raises
         plugin.save_checkpoint({"w": torch.ones(2)}, f"faulty://{tmp_path}/ckpts/b.ckpt")
         plugin.teardown()
+    try:  # a fit run inside a script's own `except` block (a retry): its save failure raises
+        raise KeyError("an earlier failure the script handles")
+    except KeyError:
+        plugin.save_checkpoint({"w": torch.ones(2)}, f"faulty://{tmp_path}/ckpts/c.ckpt")
+        with pytest.raises(CheckpointSaveError):
+            plugin.teardown()
 
 
 def test_a_key_that_would_load_back_as_a_string_is_refused_when_saved(tmp_path) -> None:
