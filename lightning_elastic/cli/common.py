@@ -255,6 +255,10 @@ def order(info: CheckpointInfo) -> tuple[int, float, str]:
 def checkpoint_at(args: argparse.Namespace, path: str) -> tuple[Storage, CheckpointInfo]:
     """The checkpoint at ``path`` (its parent storage and info), or a :class:`CliError` that
     says what ``path`` is instead and what to run."""
+    local = local_path(path)
+    if local is not None and os.path.islink(local):
+        # save_last="link"'s last.ckpt: its target (listings below a root never follow links)
+        path = os.path.realpath(local)
     storage, entries = open_dir(args, path)
     if not is_checkpoint_dir(entries):
         if not entries:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -78,6 +79,7 @@ class _Directory:
     engine: CheckpointEngine
     handle: SaveHandle | None = None
     doomed: list[str] = field(default_factory=list)
+    handling: int | None = None  # id() of the exception being handled when the save began
 
 
 class ElasticCheckpointIO(CheckpointIO):
@@ -161,6 +163,7 @@ class ElasticCheckpointIO(CheckpointIO):
                 blocking=not self.async_save,
             )
             directory.handle = handle
+            directory.handling = _handled()
             if not self.async_save:
                 self._finish(directory)
 
@@ -220,20 +223,33 @@ class ElasticCheckpointIO(CheckpointIO):
             self._delete(root, name, location)
 
     def teardown(self) -> None:
-        """Wait for every save in flight (raising the first failure after all are closed) and
-        release the engines; a later save starts new ones."""
+        """Wait for every save in flight (raising the first failure after all are closed, or
+        logging it while another exception is being handled) and release the engines; a later
+        save starts new ones."""
         with self._lock:
             directories, self._directories = self._directories, {}
             errors = []
+            handled = _handled()  # here, not in the `except` below (that one would be ours)
+            during = False  # a save failed that began while `handled` was being handled
             for directory in directories.values():
                 try:
                     self._finish(directory)
                 except Exception as exc:  # finish and close every engine, then report
                     errors.append(exc)
+                    during = during or directory.handling == handled
                 try:
                     directory.engine.close()
                 except Exception as exc:
                     errors.append(exc)
+        if errors and handled is not None and not during:
+            # Lightning tears down inside the `except` block of a crashed fit (and before its
+            # KeyboardInterrupt exit): raising here would replace the user's exception with
+            # ours, so the save failure is logged and the crash propagates. A save that began
+            # while that exception was already handled (a whole fit in a script's `except`
+            # block; also OnExceptionCheckpoint's save of the crash itself) raises its failure
+            for error in errors:
+                log.error("while handling another exception: %s", error)
+            return
         if errors:
             raise errors[0]
 
@@ -351,6 +367,12 @@ def finish_saves_of(path: Any) -> None:
     for plugin in list(_LIVE):
         if any(plugin.pending(name) for name in names):
             plugin.wait()
+
+
+def _handled() -> int | None:
+    """``id()`` of the exception being handled here, if any (see :meth:`teardown`)."""
+    exc = sys.exc_info()[1]
+    return None if exc is None else id(exc)
 
 
 def _key(root: str) -> str:

@@ -27,8 +27,10 @@ directory of ours, the string becomes a :class:`LastCheckpoint` (in :mod:`.alias
 of ``_parse_ckpt_path``) that the plugin resolves when the strategy loads it, on every rank
 after the set-up barrier (a rank-0 save of the previous ``fit`` is committed by then): the
 newest committed checkpoint, in commit order, of the ``ModelCheckpoint`` directories that
-verifies, or a newer plain ``last*.ckpt`` file of Lightning's. Skipped corrupt ones are warned
-about, the choice is logged, and ``trainer.ckpt_path`` names it; when none verifies,
+verifies, or a newer plain ``last*.ckpt`` file of Lightning's. Skipped corrupt ones (files or
+manifest) are warned about, a manifest of a newer format raises
+:class:`~lightning_elastic.errors.UnsupportedFormatError`, the choice is logged, and
+``trainer.ckpt_path`` names it; when none verifies,
 :class:`~lightning_elastic.errors.CheckpointNotFoundError` says why for each. Directories
 without any of ours go through Lightning's own resolution (a first run: "no last checkpoint",
 and training starts fresh).
@@ -200,6 +202,22 @@ def load_last(
     """Load the newest checkpoint that verifies (every rank, each on its own: they read the
     same storage, so they agree); see the module docstring."""
     skipped: list[str] = []
+    # A manifest that does not parse (or is of a newer format) never becomes a candidate
+    # below, which lists valid ones only: say so as for one whose files fail verification,
+    # and refuse a newer format rather than resume silently from an older checkpoint
+    for directory in last.directories:
+        for info in _scan(directory, plugin.storage_options):
+            if str(info.status) != "corrupt":
+                continue  # valid, or incomplete (a save in flight or crashed): not corrupt
+            if info.unsupported:
+                raise UnsupportedFormatError(f'{last.fn}(ckpt_path="last"): {info.problem}')
+            skipped.append(f"{info.location}: {info.problem}")
+            warnings.warn(
+                f'{last.fn}(ckpt_path="last"): skipping {info.location}, which does not '
+                f"verify: {info.problem}",
+                CorruptCheckpointWarning,
+                stacklevel=2,
+            )
     for when, location, ours in _newest_first(last, plugin.storage_options):
         del when
         if not ours:  # a plain file of Lightning's, newer than any of ours
@@ -221,8 +239,7 @@ def load_last(
         where = ", ".join(last.directories)
         message = (
             f'{last.fn}(ckpt_path="last"): restoring {location}, the newest checkpoint of '
-            f"{where} that verifies"
-            + (f" ({len(skipped)} newer one(s) skipped)" if skipped else "")
+            f"{where} that verifies" + (f" ({len(skipped)} skipped)" if skipped else "")
         )
         log.info(message)
         rank_zero_info(message)

@@ -32,8 +32,10 @@ from lightning_elastic import (
     ElasticStrategy,
     IntegrityError,
     Storage,
+    UnsupportedFormatError,
     consolidate,
 )
+from lightning_elastic.cli import main
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.lightning.checkpoint_io_rules import check_strategy
@@ -302,6 +304,26 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_that_verifies_and_says_so(
         fit(tmp_path, ours=True, ckpt_path="last")
 
 
+def test_ckpt_path_last_warns_of_an_unreadable_manifest_and_refuses_a_newer_format(
+    tmp_path,
+) -> None:
+    # a manifest that does not parse was skipped without a word (only a checkpoint whose files
+    # failed verification was warned about); one of a newer format was skipped too, and the
+    # resume silently went back to an older checkpoint
+    fit(tmp_path, ours=True, every_n_train_steps=4, save_top_k=-1)
+    manifest = tmp_path / "ckpts" / "epoch=2-step=12.ckpt" / MANIFEST_FILE
+    data = manifest.read_text()
+    manifest.write_text("{garbage")
+    with pytest.warns(CorruptCheckpointWarning, match=r"epoch=2-step=12\.ckpt.*not valid JSON"):
+        trainer, _, _ = fit(tmp_path, ours=True, max_steps=14, ckpt_path="last")
+    assert trainer.ckpt_path == str(tmp_path / "ckpts" / "epoch=1-step=8.ckpt")
+    newer = json.loads(data)
+    newer["format_version"] = 99
+    manifest.write_text(json.dumps(newer))
+    with pytest.raises(UnsupportedFormatError, match="epoch=2-step=12"):
+        fit(tmp_path, ours=True, max_steps=14, ckpt_path="last")
+
+
 def test_ckpt_path_last_without_checkpoints_starts_fresh_and_says_why_when_none_committed(
     tmp_path,
 ) -> None:
@@ -368,6 +390,91 @@ def test_teardown_waits_for_the_save_in_flight(tmp_path) -> None:
     plugin.teardown()
     assert (tmp_path / "a.ckpt" / MANIFEST_FILE).exists()
     plugin.save_checkpoint({"w": torch.ones(2)}, f"faulty://{tmp_path}/b.ckpt")  # usable again
+    plugin.teardown()
+
+
+class Crashes(Monitored):
+    """Raises its own error at step 5, after ModelCheckpoint's save at step 4."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 5:
+            raise RuntimeError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_save_failing_while_training_crashes_does_not_hide_the_crash(tmp_path, caplog) -> None:
+    # Lightning tears down inside its `except` block: a save error raised there would replace
+    # the user's exception (and skip the KeyboardInterrupt handling after the teardown)
+    fault = Fault("write", "*.distcp", "EACCES", times=0)
+    plugin = ElasticCheckpointIO(storage_options={"faults": [fault]})
+    callback = ModelCheckpoint(dirpath=f"faulty://{tmp_path}/ckpts", every_n_train_steps=4)
+    trainer = make_trainer(
+        str(tmp_path),
+        max_steps=12,
+        strategy="auto",
+        devices=1,
+        callbacks=[callback],
+        plugins=[plugin],
+    )
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="the user's own"):
+        trainer.fit(Crashes(n=16, hidden=16))
+    assert "epoch=0-step=4.ckpt was not committed" in caplog.text  # said, not lost
+    with pytest.raises(CheckpointSaveError):  # outside an exception, teardown still raises
+        plugin.save_checkpoint({"w": torch.ones(2)}, f"faulty://{tmp_path}/ckpts/b.ckpt")
+        plugin.teardown()
+    try:  # a fit run inside a script's own `except` block (a retry): its save failure raises
+        raise KeyError("an earlier failure the script handles")
+    except KeyError:
+        plugin.save_checkpoint({"w": torch.ones(2)}, f"faulty://{tmp_path}/ckpts/c.ckpt")
+        with pytest.raises(CheckpointSaveError):
+            plugin.teardown()
+
+
+def test_a_key_that_would_load_back_as_a_string_is_refused_when_saved(tmp_path) -> None:
+    # fabric.save(path, {"counts": {(0, 1): 5}}) loaded back {"counts": {"(0, 1)": 5}}
+    plugin = ElasticCheckpointIO()
+    with pytest.raises(ConfigError, match=r"cannot save the key \(0, 1\) \(tuple\) of counts"):
+        plugin.save_checkpoint({"counts": {(0, 1): 5}, "w": torch.ones(2)}, tmp_path / "a.ckpt")
+    plugin.save_checkpoint({"counts": {"0,1": 5, 7: 1}}, tmp_path / "a.ckpt")  # still usable
+    assert plugin.load_checkpoint(tmp_path / "a.ckpt")["counts"] == {"0,1": 5, 7: 1}
+    plugin.teardown()
+
+
+def test_consolidate_reads_the_checkpoint_a_save_last_link_names(tmp_path) -> None:
+    # save_last="link": `lightning-elastic consolidate ckpts/last.ckpt model.ckpt` said "no
+    # checkpoint at ckpts/last.ckpt" (listings below a root never follow links)
+    plugin = ElasticCheckpointIO()
+    plugin.save_checkpoint({"w": torch.ones(2), "global_step": 3}, tmp_path / "a.ckpt")
+    plugin.teardown()
+    (tmp_path / "last.ckpt").symlink_to("a.ckpt")
+    assert consolidate(tmp_path / "last.ckpt", tmp_path / "model.ckpt")["global_step"] == 3
+    assert torch.load(tmp_path / "model.ckpt")["global_step"] == 3
+    link = str(tmp_path / "last.ckpt")
+    verbs = (["consolidate", link, str(tmp_path / "m.ckpt")], ["verify", link], ["inspect", link])
+    for argv in verbs:
+        assert main(argv) == 0, argv
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.eye(3).to_sparse(),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+    ],
+    ids=["sparse-coo", "sparse-csr", "quantized"],
+)
+def test_a_tensor_the_staging_copy_cannot_hold_is_refused_naming_its_key(tmp_path, make) -> None:
+    tensor = make()
+    # torch.save takes them; the staging copy into the dense host buffer raised a bare
+    # RuntimeError ("copy_() between dense and sparse Tensors is not implemented")
+    plugin = ElasticCheckpointIO()
+    with pytest.raises(ConfigError, match=r"buffers\.table"):
+        plugin.save_checkpoint({"buffers": {"table": tensor}, "w": torch.ones(2)}, tmp_path / "a")
+    plugin.save_checkpoint({"buffers": {"table": torch.ones(3)}}, tmp_path / "a")  # usable
+    assert torch.equal(plugin.load_checkpoint(tmp_path / "a")["buffers"]["table"], torch.ones(3))
     plugin.teardown()
 
 

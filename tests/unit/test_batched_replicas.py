@@ -16,6 +16,7 @@ from lightning_elastic.core.save.digest import BATCH_BYTES
 from lightning_elastic.core.save.replicated import ReplicationCheck, Split, state_nodes
 from lightning_elastic.core.save.statedigest import StateDigest
 from lightning_elastic.core.save.walk import walk_state
+from lightning_elastic.errors import ConfigError
 
 SMALL = 1024  # float32 elements: 4 KB a tensor
 PER_BATCH = BATCH_BYTES // (SMALL * 4)  # tensors in one full batch
@@ -249,13 +250,21 @@ STATES = [
     {"a": {"b": 1, "c": [torch.ones(1), 2]}, "d": [1, 2], "e": [{"f": 3}], "g": {}},
     {0: torch.zeros(2), "opt": {"state": {0: {"m": torch.ones(2)}}, "groups": [{"lr": 0.1}]}},
     {"t": (torch.ones(1), 2), "x": None, "nested": [[torch.ones(1)], []]},
-    {"p": torch.nn.Parameter(torch.ones(2)), (1, 2): {"k": "v"}},
+    {"p": torch.nn.Parameter(torch.ones(2)), 3: {"k": "v"}},
 ]
 
 
 @pytest.mark.parametrize("state", STATES)
 def test_the_walk_gives_the_skeleton_describe_gives(state) -> None:
     assert walk_state(state).skeleton() == describe(state)
+
+
+@pytest.mark.parametrize("key", [(1, 2), None, 1.5, True])
+@pytest.mark.parametrize("leaf", [torch.ones(1), "v"])
+def test_the_walk_refuses_keys_that_would_load_back_as_strings(key, leaf) -> None:
+    # DCP and the skeleton keep str and int keys only: {(1, 2): x} loaded back as {"(1, 2)": x}
+    with pytest.raises(ConfigError, match=r"cannot save the key .* of opt\.state"):
+        walk_state({"opt": {"state": {key: leaf}}})
 
 
 def test_a_branch_is_reused_only_for_the_very_object_walked() -> None:

@@ -130,6 +130,10 @@ def locate_checkpoint(
     :func:`consolidate` does."""
     check_verify_mode(verify)
     path = os.fspath(src)
+    if "://" not in path and os.path.islink(path):
+        # a link the user names (save_last="link"'s last.ckpt): its target, since listings
+        # below a root never follow links
+        path = os.path.realpath(path)
     if "://" not in path and os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path} is a file, not a checkpoint directory (a regular file loads with torch.load)"

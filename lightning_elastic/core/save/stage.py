@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 
 from lightning_elastic.core._compat import foreach_copy, save_planner_state
 from lightning_elastic.core.save.snapshot import LazySnapshot, copy_pairs
+from lightning_elastic.errors import ConfigError
 
 __all__ = [
     "ALIGNMENT",
@@ -232,14 +233,34 @@ def _copy_tensors(program: _Program, items: Sequence[WriteItem], planner: SavePl
     """Copy every tensor item's source into its destination view: host sources in one
     ``_foreach_copy_`` (runs of small ones by ``torch.cat``)."""
     sources = _checked_sources(program, items, planner)
-    if all(s.is_cpu for s in sources):
-        with torch.no_grad():
-            for start, stop, out in program.runs:
-                torch.cat(sources[start:stop], out=out)
-            if program.singles:
-                foreach_copy(program.single_targets, [sources[k] for k in program.singles])
-        return
-    copy_pairs(program.targets, sources)
+    try:
+        if all(s.is_cpu for s in sources):
+            with torch.no_grad():
+                for start, stop, out in program.runs:
+                    torch.cat(sources[start:stop], out=out)
+                if program.singles:
+                    foreach_copy(program.single_targets, [sources[k] for k in program.singles])
+            return
+        copy_pairs(program.targets, sources)
+    except RuntimeError:
+        _refuse_uncopyable(program, items, sources)
+        raise
+
+
+def _refuse_uncopyable(
+    program: _Program, items: Sequence[WriteItem], sources: Sequence[torch.Tensor]
+) -> None:
+    """After a failed copy: a sparse or quantized tensor (``torch.save`` takes them, the dense
+    host buffer cannot) raises a :class:`ConfigError` naming its key, instead of torch's bare
+    ``RuntimeError``. Looked for only once a copy failed: no cost to a save that works."""
+    for i, source in zip(program.tensors, sources, strict=True):
+        if source.layout is not torch.strided or source.is_quantized:
+            kind = "quantized" if source.is_quantized else f"{source.layout} (sparse)"
+            raise ConfigError(
+                f"cannot save {items[i].index.fqn}: a {kind} tensor is not supported (a "
+                "checkpoint holds dense, unquantized tensors); save it converted (e.g. "
+                "t.to_dense(), t.dequantize() or t.int_repr() with its scale and zero point)"
+            )
 
 
 def _checked_sources(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lightning_elastic.core.format.skeleton import Skeleton, is_leaf
+from lightning_elastic.errors import ConfigError
 
 __all__ = ["Branch", "StateWalk", "leaf_properties", "walk_state"]
 
@@ -157,11 +158,22 @@ class _Walker:
                 pinned = pinnable and v.is_pinned()
                 props.append((v.shape, v.dtype, v.layout, v.device, v.requires_grad, pinned))
                 in_mapping.append(True)
-                items.append([k if type(k) is str else _key(k), None])
+                items.append([k if type(k) is str else _key(k, child), None])
             else:
-                items.append([_key(k), self.visit(v, child, True)])
+                items.append([_key(k, child), self.visit(v, child, True)])
         return items
 
 
-def _key(key: Any) -> str | int:
-    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+def _key(key: Any, path: Path = ()) -> str | int:
+    """A mapping key as the skeleton records it. DCP addresses leaves by ``str(key)`` and the
+    skeleton (JSON) restores only ``str`` and ``int`` keys: any other key (a tuple, ``None``,
+    a float, a bool, a NumPy integer) would load back as its string, silently, so it is
+    refused when the state is saved."""
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return key
+    where = ".".join(map(str, path[:-1])) or "the state"
+    raise ConfigError(
+        f"cannot save the key {key!r} ({type(key).__name__}) of {where}: a checkpoint keeps "
+        "mapping keys that are str or int only (any other key would load back as the string "
+        f"{str(key)!r}); use str or int keys, or store that mapping as a list of pairs"
+    )
