@@ -180,6 +180,40 @@ def test_retention_keeps_the_checkpoint_a_kept_one_refers_to(tmp_path: Path) -> 
         assert_same(saved[-1][0], eng.load().state)
 
 
+def test_retention_deletes_a_doomed_base_together_with_its_doomed_referrers(
+    tmp_path: Path,
+) -> None:
+    # after save 4 (full) retention dooms 1 and 3 (3 refers to 1): deleted oldest first, 1
+    # was kept because 3 still referred to it, and lingered after the fit ended
+    saved = save_chain(tmp_path, 4, every=3, retention=[KeepLastN(1)])
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert left == [saved[3][1].name]
+
+
+def test_prune_deletes_a_chain_it_dooms_and_reports_only_what_it_deleted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = save_chain(tmp_path, 5, every=3)
+    names = [r.name for _, r in saved]
+    capsys.readouterr()
+    assert cli.main(["prune", str(tmp_path), "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert left == [names[3], names[4]]  # 5 refers to 4
+    assert "3 checkpoint(s) deleted" in out, out
+    # a base a kept (here: corrupt, not among the valid ones prune plans over) checkpoint
+    # still refers to is not reported deleted
+    more = save_chain(tmp_path / "more", 3, every=2)  # 2 refers to 1; 3 is full
+    shard = manifest_of(tmp_path / "more", more[1][1].name).files[0].path
+    with open(tmp_path / "more" / more[1][1].name / shard, "ab") as f:
+        f.write(b"x")  # 2 is corrupt (its own file), and still refers to 1
+    capsys.readouterr()
+    cli.main(["prune", str(tmp_path / "more"), "--keep-last", "1", "--json"])
+    out = capsys.readouterr().out
+    assert (tmp_path / "more" / more[0][1].name / MANIFEST_FILE).exists()
+    assert more[0][1].name not in out.split('"deleted"')[1].split('"failed"')[0], out
+
+
 def test_deleting_a_referenced_checkpoint_directly_leaves_it(tmp_path: Path) -> None:
     saved = save_chain(tmp_path, 2, every=4)
     storage = Storage(str(tmp_path))
