@@ -2,6 +2,7 @@
 checkpoint of a chain loads bitwise; references are verified, followed and kept."""
 
 import copy
+import threading
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from lightning_elastic import (
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
 from lightning_elastic.core.policy.housekeeping import delete_checkpoint
+from lightning_elastic.core.save.snapshot import LazySnapshot
 from lightning_elastic.testing.faults import Fault, FaultyFileSystem
 
 NO_RETRY = RetryPolicy(deadline_s=0.5, initial_backoff_s=0.01, max_backoff_s=0.01)
@@ -139,6 +141,38 @@ def test_a_tensor_changed_behind_its_version_counter_is_written_not_referred_to(
         loaded = eng.load(checkpoint=second.name).state
     assert_same(changed, loaded)
     assert second.bytes_written > weight.numel() * 4  # that tensor was written again
+
+
+def test_a_lazily_staged_tensor_is_held_with_the_digest_of_the_bytes_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the save point hashed a host tensor changed behind its counter (digest kept for the
+    # next save), then the lazy copy staged other bytes (a .data change in its window, which
+    # the copy cannot see): the next save, back at the save point's bytes, referred to the
+    # file holding the copy's bytes and loaded them
+    gate = threading.Event()
+    run = LazySnapshot.run
+
+    def held(self: LazySnapshot) -> None:
+        assert gate.wait(30)
+        run(self)
+
+    monkeypatch.setattr(LazySnapshot, "run", held)
+    model = FineTune()
+    weight = model.base[0].weight
+    with CheckpointEngine(tmp_path, full_every_n_saves=8, snapshot="lazy") as eng:
+        gate.set()
+        eng.save(model.state(), step=1).result()
+        gate.clear()
+        weight.data[0, 0] = 5.0  # behind the counter: hashed at the save point
+        handle = eng.save(model.state(), step=2)
+        weight.data[0, 0] = 7.0  # in the lazy window: step 2 holds 7 (documented)
+        gate.set()
+        handle.result()
+        weight.data[0, 0] = 5.0
+        expected = copy.deepcopy(model.state())
+        third = eng.save(model.state(), step=3).result()
+        assert_same(expected, eng.load(checkpoint=third.name, adopt_run=False).state)
 
 
 def test_a_corrupt_referenced_file_quarantines_the_referrer_and_resume_falls_back(
