@@ -292,6 +292,10 @@ class CheckpointEngine:
             planned = plan_save(target, self._run, state_dict, request, walk, self._plan_cache)
             self._plan_cache = planned.cache
             if target.increments is not None:  # unchanged tensors are referred to, not staged
+                if request.name is not None and request.overwrite:
+                    # full: it may replace the checkpoint whose files it would refer to (the
+                    # commit removes them as strays); decided alike on every rank
+                    target.increments.reset()
                 planned.increment, staged = target.increments.preselect(
                     planned.plan.items, planned.planner
                 )

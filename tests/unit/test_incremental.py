@@ -12,6 +12,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_elastic import (
     CheckpointEngine,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
@@ -246,6 +247,33 @@ def test_prune_deletes_a_chain_it_dooms_and_reports_only_what_it_deleted(
     out = capsys.readouterr().out
     assert (tmp_path / "more" / more[0][1].name / MANIFEST_FILE).exists()
     assert more[0][1].name not in out.split('"deleted"')[1].split('"failed"')[0], out
+
+
+def test_a_save_that_replaces_a_named_checkpoint_is_full(tmp_path: Path) -> None:
+    # it referred to the files of the checkpoint it replaced: a manifest naming itself
+    # (malformed), whose referenced files the commit's cleanup removed as strays
+    model = FineTune()
+    with CheckpointEngine(tmp_path, full_every_n_saves=4) as eng:
+        for step in (1, 2, 3):
+            model.step()
+            expected = copy.deepcopy(model.state())
+            eng.save(model.state(), step=step, name="latest", overwrite=True).result()
+            assert not manifest_of(tmp_path, "latest").references
+        assert_same(expected, eng.load(checkpoint="latest", adopt_run=False).state)
+
+
+def test_a_checkpoint_another_refers_to_is_not_overwritten(tmp_path: Path) -> None:
+    # replacing it removed the files the referrer reads: the referrer was corrupt
+    model = FineTune()
+    with CheckpointEngine(tmp_path, full_every_n_saves=4) as eng:
+        eng.save(model.state(), step=1, name="a").result()
+        model.step()
+        expected = copy.deepcopy(model.state())
+        eng.save(model.state(), step=2, name="b").result()
+        assert manifest_of(tmp_path, "b").referenced_checkpoints == {"a"}
+        with pytest.raises(CheckpointExistsError, match="b refer"):
+            eng.save(model.state(), step=3, name="a", overwrite=True)
+        assert_same(expected, eng.load(checkpoint="b", adopt_run=False).state)
 
 
 def test_deleting_a_referenced_checkpoint_directly_leaves_it(tmp_path: Path) -> None:
