@@ -486,6 +486,10 @@ class CheckpointEngine:
         self.coordinator.broadcast(
             Phase.LOAD, lambda: self._placement.take_over(renew=renew), error=CheckpointLoadError
         )
+        if self._placement.target.increments is not None:
+            # the next save is full: another writer of the run (a replica group that led
+            # meanwhile) may have retired this one's last chain, which it would refer to
+            self._placement.target.increments.reset()
 
     def check_writable(self) -> None:
         """Every rank writes and deletes a small probe file in the root, so a root that is a

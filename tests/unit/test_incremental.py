@@ -276,6 +276,26 @@ def test_a_checkpoint_another_refers_to_is_not_overwritten(tmp_path: Path) -> No
         assert_same(expected, eng.load(checkpoint="b", adopt_run=False).state)
 
 
+def test_a_writer_that_takes_the_run_back_saves_full(tmp_path: Path) -> None:
+    # replica groups hand the run back and forth (take_over(renew=True)); the other writer's
+    # retention deleted this one's last chain, which its next save still referred to
+    model = FineTune()
+    with (
+        CheckpointEngine(tmp_path, run_id="r", full_every_n_saves=8) as first,
+        CheckpointEngine(tmp_path, run_id="r", retention=[KeepLastN(1)]) as second,
+    ):
+        first.save(model.state(), step=1).result()
+        first.save(model.state(), step=2).result()
+        second.take_over(renew=True)
+        second.save(model.state(), step=3).result()  # deletes 1 and 2
+        first.take_over(renew=True)
+        model.step()
+        expected = copy.deepcopy(model.state())
+        fourth = first.save(model.state(), step=4).result()
+        assert not manifest_of(tmp_path, fourth.name).references
+        assert_same(expected, first.load(checkpoint=fourth.name, adopt_run=False).state)
+
+
 def test_deleting_a_referenced_checkpoint_directly_leaves_it(tmp_path: Path) -> None:
     saved = save_chain(tmp_path, 2, every=4)
     storage = Storage(str(tmp_path))
