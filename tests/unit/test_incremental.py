@@ -260,6 +260,12 @@ def test_a_save_that_replaces_a_named_checkpoint_is_full(tmp_path: Path) -> None
             eng.save(model.state(), step=step, name="latest", overwrite=True).result()
             assert not manifest_of(tmp_path, "latest").references
         assert_same(expected, eng.load(checkpoint="latest", adopt_run=False).state)
+        # nor is it a base: a checkpoint referring to it would forbid its next replacement
+        # (a ModelCheckpoint's "last" in the callback's root: the same engine)
+        eng.save(model.state(), step=4, name="latest", overwrite=True).result()
+        fifth = eng.save(model.state(), step=5).result()
+        assert "latest" not in manifest_of(tmp_path, fifth.name).referenced_checkpoints
+        eng.save(model.state(), step=6, name="latest", overwrite=True).result()
 
 
 def test_a_checkpoint_another_refers_to_is_not_overwritten(tmp_path: Path) -> None:
