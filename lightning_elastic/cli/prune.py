@@ -90,16 +90,20 @@ def command(args: argparse.Namespace) -> int:
     catalog = Catalog(storage)
     failed: list[tuple[CheckpointInfo, str]] = []
     deleted = []
-    for info in doomed:
+    # newest first: a doomed incremental checkpoint goes before the doomed base it refers to
+    # (delete_checkpoint keeps a base while anything refers to it, corrupt referrers too)
+    for info in reversed(doomed):
         if args.dry_run:
             deleted.append(info)
             continue
         try:
             save_id = info.manifest.save_id if info.manifest is not None else None
-            delete_checkpoint(storage, catalog, info.name, save_id=save_id)  # as scanned
-            deleted.append(info)
+            if delete_checkpoint(storage, catalog, info.name, save_id=save_id):  # as scanned
+                deleted.append(info)
         except ElasticCheckpointError as exc:
             failed.append((info, str(exc)))
+    deleted.sort(key=order)
+    failed.sort(key=lambda f: order(f[0]))
     try:  # best effort, like after a commit: a failure here never fails the prune
         collected = collect_garbage(
             storage, catalog, grace_s=args.leftover_grace, dry_run=args.dry_run

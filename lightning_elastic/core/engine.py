@@ -292,6 +292,10 @@ class CheckpointEngine:
             planned = plan_save(target, self._run, state_dict, request, walk, self._plan_cache)
             self._plan_cache = planned.cache
             if target.increments is not None:  # unchanged tensors are referred to, not staged
+                if request.name is not None and request.overwrite:
+                    # full: it may replace the checkpoint whose files it would refer to (the
+                    # commit removes them as strays); decided alike on every rank
+                    target.increments.reset()
                 planned.increment, staged = target.increments.preselect(
                     planned.plan.items, planned.planner
                 )
@@ -482,6 +486,10 @@ class CheckpointEngine:
         self.coordinator.broadcast(
             Phase.LOAD, lambda: self._placement.take_over(renew=renew), error=CheckpointLoadError
         )
+        if self._placement.target.increments is not None:
+            # the next save is full: another writer of the run (a replica group that led
+            # meanwhile) may have retired this one's last chain, which it would refer to
+            self._placement.target.increments.reset()
 
     def check_writable(self) -> None:
         """Every rank writes and deletes a small probe file in the root, so a root that is a

@@ -87,3 +87,5 @@ def test_an_incremental_chain_saved_on_two_ranks_loads_resharded(tmp_path) -> No
     assert refs[0] == [[], ["step_000000001"], ["step_000000001"]]
     names = run_distributed(workers.load_incremental, 3, root, 3)  # 2 -> 3 ranks
     assert set(names) == {"step_000000003"}
+    names = run_distributed(workers.load_incremental, 1, root, 3)  # 2 -> 1 rank
+    assert set(names) == {"step_000000003"}

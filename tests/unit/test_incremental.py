@@ -2,6 +2,7 @@
 checkpoint of a chain loads bitwise; references are verified, followed and kept."""
 
 import copy
+import threading
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_elastic import (
     CheckpointEngine,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
@@ -23,6 +25,7 @@ from lightning_elastic import (
 from lightning_elastic.core.format.catalog import Catalog
 from lightning_elastic.core.format.manifest import MANIFEST_FILE, Manifest
 from lightning_elastic.core.policy.housekeeping import delete_checkpoint
+from lightning_elastic.core.save.snapshot import LazySnapshot
 from lightning_elastic.testing.faults import Fault, FaultyFileSystem
 
 NO_RETRY = RetryPolicy(deadline_s=0.5, initial_backoff_s=0.01, max_backoff_s=0.01)
@@ -141,6 +144,38 @@ def test_a_tensor_changed_behind_its_version_counter_is_written_not_referred_to(
     assert second.bytes_written > weight.numel() * 4  # that tensor was written again
 
 
+def test_a_lazily_staged_tensor_is_held_with_the_digest_of_the_bytes_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the save point hashed a host tensor changed behind its counter (digest kept for the
+    # next save), then the lazy copy staged other bytes (a .data change in its window, which
+    # the copy cannot see): the next save, back at the save point's bytes, referred to the
+    # file holding the copy's bytes and loaded them
+    gate = threading.Event()
+    run = LazySnapshot.run
+
+    def held(self: LazySnapshot) -> None:
+        assert gate.wait(30)
+        run(self)
+
+    monkeypatch.setattr(LazySnapshot, "run", held)
+    model = FineTune()
+    weight = model.base[0].weight
+    with CheckpointEngine(tmp_path, full_every_n_saves=8, snapshot="lazy") as eng:
+        gate.set()
+        eng.save(model.state(), step=1).result()
+        gate.clear()
+        weight.data[0, 0] = 5.0  # behind the counter: hashed at the save point
+        handle = eng.save(model.state(), step=2)
+        weight.data[0, 0] = 7.0  # in the lazy window: step 2 holds 7 (documented)
+        gate.set()
+        handle.result()
+        weight.data[0, 0] = 5.0
+        expected = copy.deepcopy(model.state())
+        third = eng.save(model.state(), step=3).result()
+        assert_same(expected, eng.load(checkpoint=third.name, adopt_run=False).state)
+
+
 def test_a_corrupt_referenced_file_quarantines_the_referrer_and_resume_falls_back(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -178,6 +213,93 @@ def test_retention_keeps_the_checkpoint_a_kept_one_refers_to(tmp_path: Path) -> 
     assert left == [names[3], names[4]]  # 5 refers to 4 (full): both stay, 1-3 are gone
     with CheckpointEngine(tmp_path) as eng:
         assert_same(saved[-1][0], eng.load().state)
+
+
+def test_retention_deletes_a_doomed_base_together_with_its_doomed_referrers(
+    tmp_path: Path,
+) -> None:
+    # after save 4 (full) retention dooms 1 and 3 (3 refers to 1): deleted oldest first, 1
+    # was kept because 3 still referred to it, and lingered after the fit ended
+    saved = save_chain(tmp_path, 4, every=3, retention=[KeepLastN(1)])
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert left == [saved[3][1].name]
+
+
+def test_prune_deletes_a_chain_it_dooms_and_reports_only_what_it_deleted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = save_chain(tmp_path, 5, every=3)
+    names = [r.name for _, r in saved]
+    capsys.readouterr()
+    assert cli.main(["prune", str(tmp_path), "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert left == [names[3], names[4]]  # 5 refers to 4
+    assert "3 checkpoint(s) deleted" in out, out
+    # a base a kept (here: corrupt, not among the valid ones prune plans over) checkpoint
+    # still refers to is not reported deleted
+    more = save_chain(tmp_path / "more", 3, every=2)  # 2 refers to 1; 3 is full
+    shard = manifest_of(tmp_path / "more", more[1][1].name).files[0].path
+    with open(tmp_path / "more" / more[1][1].name / shard, "ab") as f:
+        f.write(b"x")  # 2 is corrupt (its own file), and still refers to 1
+    capsys.readouterr()
+    cli.main(["prune", str(tmp_path / "more"), "--keep-last", "1", "--json"])
+    out = capsys.readouterr().out
+    assert (tmp_path / "more" / more[0][1].name / MANIFEST_FILE).exists()
+    assert more[0][1].name not in out.split('"deleted"')[1].split('"failed"')[0], out
+
+
+def test_a_save_that_replaces_a_named_checkpoint_is_full(tmp_path: Path) -> None:
+    # it referred to the files of the checkpoint it replaced: a manifest naming itself
+    # (malformed), whose referenced files the commit's cleanup removed as strays
+    model = FineTune()
+    with CheckpointEngine(tmp_path, full_every_n_saves=4) as eng:
+        for step in (1, 2, 3):
+            model.step()
+            expected = copy.deepcopy(model.state())
+            eng.save(model.state(), step=step, name="latest", overwrite=True).result()
+            assert not manifest_of(tmp_path, "latest").references
+        assert_same(expected, eng.load(checkpoint="latest", adopt_run=False).state)
+        # nor is it a base: a checkpoint referring to it would forbid its next replacement
+        # (a ModelCheckpoint's "last" in the callback's root: the same engine)
+        eng.save(model.state(), step=4, name="latest", overwrite=True).result()
+        fifth = eng.save(model.state(), step=5).result()
+        assert "latest" not in manifest_of(tmp_path, fifth.name).referenced_checkpoints
+        eng.save(model.state(), step=6, name="latest", overwrite=True).result()
+
+
+def test_a_checkpoint_another_refers_to_is_not_overwritten(tmp_path: Path) -> None:
+    # replacing it removed the files the referrer reads: the referrer was corrupt
+    model = FineTune()
+    with CheckpointEngine(tmp_path, full_every_n_saves=4) as eng:
+        eng.save(model.state(), step=1, name="a").result()
+        model.step()
+        expected = copy.deepcopy(model.state())
+        eng.save(model.state(), step=2, name="b").result()
+        assert manifest_of(tmp_path, "b").referenced_checkpoints == {"a"}
+        with pytest.raises(CheckpointExistsError, match="b refer"):
+            eng.save(model.state(), step=3, name="a", overwrite=True)
+        assert_same(expected, eng.load(checkpoint="b", adopt_run=False).state)
+
+
+def test_a_writer_that_takes_the_run_back_saves_full(tmp_path: Path) -> None:
+    # replica groups hand the run back and forth (take_over(renew=True)); the other writer's
+    # retention deleted this one's last chain, which its next save still referred to
+    model = FineTune()
+    with (
+        CheckpointEngine(tmp_path, run_id="r", full_every_n_saves=8) as first,
+        CheckpointEngine(tmp_path, run_id="r", retention=[KeepLastN(1)]) as second,
+    ):
+        first.save(model.state(), step=1).result()
+        first.save(model.state(), step=2).result()
+        second.take_over(renew=True)
+        second.save(model.state(), step=3).result()  # deletes 1 and 2
+        first.take_over(renew=True)
+        model.step()
+        expected = copy.deepcopy(model.state())
+        fourth = first.save(model.state(), step=4).result()
+        assert not manifest_of(tmp_path, fourth.name).references
+        assert_same(expected, first.load(checkpoint=fourth.name, adopt_run=False).state)
 
 
 def test_deleting_a_referenced_checkpoint_directly_leaves_it(tmp_path: Path) -> None:

@@ -68,8 +68,9 @@ def delete_checkpoint(
     *,
     listed: Collection[str] = (),
     save_id: str | None = None,
-) -> None:
-    """Manifest first (the checkpoint stops existing), then the data. ``listed``: the files
+) -> bool:
+    """Manifest first (the checkpoint stops existing), then the data; ``False`` when it was
+    kept (referred to, below). ``listed``: the files
     its manifest listed (complete when committed, so nobody writes them): retired, which
     lets a local root reuse them (:meth:`Storage.retire`); any other file is deleted.
 
@@ -97,7 +98,7 @@ def delete_checkpoint(
     )
     if referrers:  # an incremental checkpoint reads from it: it stays while that one does
         log.info("keeping %s: %s refer(s) to its files", storage.display(name), referrers)
-        return
+        return False
     held = storage.listdir(name)
     saves = {e.name.split("-", 1)[0] for e in held if is_save_file(e.name)}
     doomed = saves if save_id is None else {save_id}
@@ -106,7 +107,7 @@ def delete_checkpoint(
         for entry in held:
             if is_save_file(entry.name) and entry.name.split("-", 1)[0] in doomed:
                 storage.delete(f"{name}/{entry.name}")
-        return
+        return True
     if any(e.name == MANIFEST_FILE for e in held):
         storage.delete(f"{name}/{MANIFEST_FILE}")
     for path in listed:
@@ -125,6 +126,7 @@ def delete_checkpoint(
         else:
             storage.delete(rel)
     storage.remove_dir(name)  # unless another save's files are in it by now
+    return True
 
 
 def _in_flight_record(file: str) -> bool:
@@ -187,7 +189,9 @@ def apply_retention(
     """Delete what ``retention`` no longer keeps of this run's checkpoints (``protected``
     are kept whatever the policies say)."""
     doomed = plan_deletions(catalog.scan(), retention, run_id=run_id, protected=protected)
-    for info in doomed:
+    # newest first: a doomed incremental checkpoint goes before the doomed base it refers to
+    # (oldest first, delete_checkpoint kept the base for its referrer, and it outlived it)
+    for info in reversed(doomed):
         log.info("retention: deleting %s (step %s)", info.location, info.step)
         manifest = info.manifest
         listed = [f.path for f in manifest.files] if manifest is not None else []

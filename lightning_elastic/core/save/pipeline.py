@@ -110,7 +110,11 @@ def finish_save(
         if target.increments is not None:
             target.increments.reset()  # the next save is full
         raise decision.error(what)
-    if selection is not None:
+    if selection is not None and planned.request.name is not None and planned.request.overwrite:
+        # a checkpoint that may be replaced is no base: one referring to it would forbid its
+        # next replacement (ModelCheckpoint's "last" in this root); the next save is full
+        target.increments.reset()  # type: ignore[union-attr]
+    elif selection is not None:
         assert target.increments is not None
         shard = report.get("file")
         target.increments.committed(

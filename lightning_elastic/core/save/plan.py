@@ -291,6 +291,20 @@ def _claim(
                     "pass overwrite=True to replace it or choose another name"
                 )
             replaces = not storage.exists(f"{name}/{QUARANTINE_FILE}")
+            # as delete_checkpoint: an incremental checkpoint reads from its files, which the
+            # replacement's commit would remove (the referrer would be corrupt)
+            referrers = sorted(
+                i.name
+                for i in target.catalog.scan()
+                if i.manifest is not None
+                and i.name != name
+                and name in i.manifest.referenced_checkpoints
+            )
+            if referrers:
+                raise CheckpointExistsError(
+                    f"{storage.display(name)} cannot be replaced: {', '.join(referrers)} "
+                    "refer(s) to its files (incremental checkpoints); choose another name"
+                )
             if not replaces:
                 storage.delete(f"{name}/{MANIFEST_FILE}")  # uncommit first, then replace
                 storage.delete(f"{name}/{QUARANTINE_FILE}")
