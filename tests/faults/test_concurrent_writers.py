@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from lightning_elastic import cli
+from lightning_elastic.cli import prune as prune_verb
 from lightning_elastic.core.dist.coordinator import Coordinator
 from lightning_elastic.core.engine import CheckpointEngine
 from lightning_elastic.core.format.catalog import VALID, Catalog
@@ -854,7 +855,7 @@ def test_a_prune_leaves_a_checkpoint_committed_under_a_name_since_it_scanned(
     with engine("run-x", root=root) as x, engine("run-y", root=root) as y:
         name = save(x, 1, "x").name
         save(x, 2, "x")
-        stale_plan(monkeypatch, cli, lambda: deleted_and_taken(str(root), {}, name, y))
+        stale_plan(monkeypatch, prune_verb, lambda: deleted_and_taken(str(root), {}, name, y))
         assert cli.main(["prune", str(root), "--keep-last", "1", "--run-id", "run-x"]) == 0
     assert_intact(str(root), {}, name, "run-y")
     assert "deleted" in capsys.readouterr().out
