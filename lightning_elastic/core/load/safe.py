@@ -183,18 +183,7 @@ def load_object(value: io.BytesIO, fqn: str, *, trusted: bool = False) -> Any:
     """Unpickle one stored object (``fqn`` names it in errors); see the module docstring."""
     if trusted:
         return torch.load(value, weights_only=False)
-    names = _globals_beyond_torch_defaults(value, fqn)
-    user = {_name(entry) for entry in torch.serialization.get_safe_globals()}
-    refused = sorted(name for name in names if name not in ALLOWED_GLOBALS and name not in user)
-    if refused:
-        raise UnsafeObjectError(fqn, refused)
-    # the user may have allowlisted a name of ours already; its companions are still needed
-    entries = [entry for name in names if name in ALLOWED_GLOBALS for entry in _resolve(name)]
-    try:
-        with _scoped_safe_globals(entries):
-            return torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeObjectError(fqn, (), _unpickler_reason(exc)) from None
+    return _load_allowlisted(value, fqn, lambda: torch.load(value, weights_only=True))
 
 
 def load_file(path: str, *, trusted: bool = False) -> Any:
@@ -204,17 +193,25 @@ def load_file(path: str, *, trusted: bool = False) -> Any:
     if trusted:
         warn_trusted(path)
         return _torch_load(path, weights_only=False)
-    names = _globals_beyond_torch_defaults(path, path)
+    return _load_allowlisted(path, path, lambda: _torch_load(path, weights_only=True))
+
+
+def _load_allowlisted(source: io.BytesIO | str, fqn: str, load: Callable[[], Any]) -> Any:
+    """``load()`` (a ``weights_only`` load of ``source``) with the globals the pickle names
+    allowed for it when each is ours or the user's, else :class:`UnsafeObjectError` naming
+    ``fqn`` and what was refused, before anything is unpickled."""
+    names = _globals_beyond_torch_defaults(source, fqn)
     user = {_name(entry) for entry in torch.serialization.get_safe_globals()}
     refused = sorted(name for name in names if name not in ALLOWED_GLOBALS and name not in user)
     if refused:
-        raise UnsafeObjectError(path, refused)
+        raise UnsafeObjectError(fqn, refused)
+    # the user may have allowlisted a name of ours already; its companions are still needed
     entries = [entry for name in names if name in ALLOWED_GLOBALS for entry in _resolve(name)]
     try:
         with _scoped_safe_globals(entries):
-            return _torch_load(path, weights_only=True)
+            return load()
     except pickle.UnpicklingError as exc:
-        raise UnsafeObjectError(path, (), _unpickler_reason(exc)) from None
+        raise UnsafeObjectError(fqn, (), _unpickler_reason(exc)) from None
 
 
 def _torch_load(path: str, *, weights_only: bool) -> Any:
