@@ -43,6 +43,26 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    """Wait until ``node`` (its agent, or a process under it) listens on the rendezvous port,
+    so that the agents started after it join its store. A warm-started agent binds the port only
+    once its server has imported torch and Lightning, seconds after it starts: after a fixed
+    sleep a later node could host the store, and draining that node took the store from the
+    others (seen: the host agent failed with RendezvousConnectionError)."""
+
+    def listening() -> bool:
+        assert node.poll() is None, "the agent meant to host the rendezvous store exited"
+        root = psutil.Process(node.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                for conn in proc.net_connections("tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+                        return True
+        return False
+
+    wait_for(listening, timeout, f"the first agent to listen on port {port}")
+
+
 def assert_each_epoch_once(root: Path, last_step: int) -> None:
     per_epoch = journal.samples_per_epoch(records(root), last_step)
     complete = [e for e in per_epoch if e < max(per_epoch)]
@@ -118,7 +138,7 @@ def agent(
 def test_node_leaves_and_rejoins(tmp_path) -> None:
     port, max_steps = free_port(), 150
     first = agent(tmp_path, port, max_steps, tmp_path / "agent-a.log")
-    time.sleep(1.0)  # agent A hosts the rendezvous store
+    hosting(first, port)  # agent A hosts the rendezvous store
     second = agent(tmp_path, port, max_steps, tmp_path / "agent-b.log")
     agents = [first, second]
     try:
@@ -210,7 +230,7 @@ def test_planned_drain_keeps_the_failure_budget(tmp_path) -> None:
     host = agent(
         tmp_path, port, max_steps, tmp_path / "agent-a.log", launcher=LAUNCHER, max_restarts=0
     )
-    time.sleep(1.0)  # agent A hosts the rendezvous store
+    hosting(host, port)  # agent A hosts the rendezvous store
     node = agent(
         tmp_path, port, max_steps, tmp_path / "agent-b.log", launcher=LAUNCHER, max_restarts=0
     )
@@ -293,7 +313,7 @@ def test_a_drain_re_executes_nothing_however_the_signal_is_delivered(tmp_path) -
         wait_for(ok, 240, f"training at world size {world}")
 
     host = start("a", warm=True)
-    time.sleep(1.0)  # agent A hosts the rendezvous store
+    hosting(host, port)  # agent A hosts the rendezvous store
     warm = {"b": start("b", warm=True), "d": start("d", warm=True)}
     agents = [host, *warm.values()]
     try:
@@ -324,7 +344,10 @@ def test_a_drain_re_executes_nothing_however_the_signal_is_delivered(tmp_path) -
     assert after["step"] == last + 1, f"the drain re-executed {last + 1 - after['step']} steps"
     assert after["resumed_from"].endswith(f"step_{after['step']:09d}")
     log = (tmp_path / "agent-a.log").read_text()
-    assert log.count("restarting without counting a failure") == 1, log[-3000:]
+    # the drain was a planned exit (A had no restart to spend). The join of C and E may also
+    # show as one: whichever agent restarts its worker for the new nodes first SIGTERMs it,
+    # and the checkpoint that signal agrees ends A's worker too, before A's agent sees them
+    assert log.count("restarting without counting a failure") >= 1, log[-3000:]
 
 
 def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
@@ -370,7 +393,7 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
         wait_for(ok, 240, f"training at world size {world}")
 
     host = start("a")
-    time.sleep(1.0)  # agent A hosts the rendezvous store
+    hosting(host, port)  # agent A hosts the rendezvous store
     node = start("b0")
     agents = [host, node]
     leaves: list[tuple[str, float]] = []

@@ -86,19 +86,21 @@ def test_an_old_leaders_save_in_flight_is_refused_and_it_trains_on(
 ) -> None:
     from lightning_elastic import DistributedCheckpoint, ElasticFTStrategy
     from lightning_elastic.core.engine import CheckpointEngine
-    from lightning_elastic.core.placement.single import SingleRoot
     from lightning_elastic.core.replicas.group import ReplicaGroup
+    from lightning_elastic.core.save import pipeline
     from lightning_elastic.errors import StaleWriterError
 
     release = threading.Event()
-    finish = SingleRoot.finish
+    commit = pipeline.commit_as_coordinator
     held = {"n": 0}
 
-    def held_finish(self: SingleRoot, *args: Any, **kwargs: Any) -> Any:
+    def held_commit(*args: Any, **kwargs: Any) -> Any:
+        # the save of step 3, written (its lazy copy done: training is not held), stopped
+        # before its commit
         held["n"] += 1
-        if held["n"] == 1:  # the save of step 3: stopped before its commit
+        if held["n"] == 1:
             assert release.wait(60)
-        return finish(self, *args, **kwargs)
+        return commit(*args, **kwargs)
 
     start_step = ReplicaGroup.start_step
 
@@ -108,7 +110,7 @@ def test_an_old_leaders_save_in_flight_is_refused_and_it_trains_on(
             view = dataclasses.replace(view, healed=True)
         return view
 
-    monkeypatch.setattr(SingleRoot, "finish", held_finish)
+    monkeypatch.setattr(pipeline, "commit_as_coordinator", held_commit)
     monkeypatch.setattr(ReplicaGroup, "start_step", healing_start)
     root = tmp_path / "ckpt"
     with solo_group(monkeypatch):
