@@ -1,5 +1,7 @@
 import itertools
 import os
+import signal
+import threading
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -164,3 +166,51 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.torchrun)
         if reach.spawns:
             item.add_marker(pytest.mark.multiprocess)
+
+
+# --------------------------------------------------------------------------- process hygiene
+#
+# One pytest process runs every test, so a test that leaves a signal handler changes the
+# tests after it. LitData's optimize() left a SIGINT handler that calls os._exit(0): the next
+# Ctrl-C test ended the whole run there, with exit code 0 and two-thirds of the suite unrun.
+# Every test's teardown compares the handlers with the session's and fails the test that
+# changed them (after putting them back); .ci/run fails when the session never finished.
+
+_GUARDED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
+)
+_session_handlers: dict[int, Any] = {}
+
+
+def _handlers() -> dict[int, Any]:
+    return {s: signal.getsignal(s) for s in _GUARDED_SIGNALS}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session_handlers.update(_handlers())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    result = yield
+    if threading.current_thread() is not threading.main_thread():
+        return result
+    changed = {s: h for s, h in _handlers().items() if h != _session_handlers.get(s)}
+    for signum in changed:
+        signal.signal(signum, _session_handlers[signum])
+    if changed:
+        names = ", ".join(
+            f"{signal.Signals(s).name} -> {h!r} (was {_session_handlers[s]!r})"
+            for s, h in changed.items()
+        )
+        raise AssertionError(f"{item.nodeid} left signal handlers changed (put back): {names}")
+    return result
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    marker = os.environ.get("LIGHTNING_ELASTIC_SESSION_MARKER")
+    if marker:
+        with open(marker, "w") as f:
+            f.write(f"finished {int(exitstatus)} {session.testscollected}\n")

@@ -68,6 +68,7 @@ __all__ = [
     "LitDataFollower",
     "LoopPosition",
     "adopt",
+    "warn_leftover_sigint",
     "warn_not_resumable",
 ]
 
@@ -94,6 +95,29 @@ def warn_not_resumable(loader: object) -> None:
         "resume at another); see docs/streaming.md.",
         kind,
         type(getattr(loader, "dataset", None)).__name__,
+    )
+
+
+def warn_leftover_sigint() -> None:
+    """LitData's ``optimize()`` (0.2.76) leaves its SIGINT handler in the process when it
+    returns, and that handler ends the process with ``os._exit(0)``: a Ctrl-C then skips
+    Lightning's graceful shutdown and every exit handler, and the exit code says success
+    (torchrun counts the worker as done). Say so once per process; the handler is the
+    user's process state, so it is not replaced here."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    owner = getattr(handler, "__self__", None)
+    if not type(owner).__module__.startswith("litdata.") or "sigint" in _WARNED:
+        return
+    _WARNED.add("sigint")
+    log.warning(
+        "LitData's optimize() left its SIGINT handler (%s.%s) in this process: a Ctrl-C "
+        "will end it at once with exit code 0 - no graceful shutdown, no exit handlers, and "
+        "a launcher counts it as a success. Run optimize() in another process, or put the "
+        "handler back after it: signal.signal(signal.SIGINT, signal.default_int_handler).",
+        type(owner).__name__,
+        getattr(handler, "__name__", "?"),
     )
 
 

@@ -517,6 +517,7 @@ class ElasticSession:
         )
         if stage != RunningStage.TRAINING:
             return dataloader
+        litdata.warn_leftover_sigint()
         if litdata_ranks.is_streaming_loader(dataloader):  # keeps its own position: see there
             self.adopt_sampler(None)
             litdata.adopt(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -37,9 +38,12 @@ def write(directory: str | Path, n: int = N) -> str:
     """The dataset, written by ``litdata.optimize`` in chunks of ``CHUNK`` samples."""
     import litdata
 
-    # optimize() sets the process's start method for good: put it back. Its one worker is
-    # forked (spawning one imports torch again: 20 s on a loaded CI machine)
+    # optimize() sets the process's start method for good, and leaves a SIGINT handler that
+    # ends the process with os._exit(0) (LitData 0.2.76, DataProcessor._signal_handler): put
+    # both back (a later Ctrl-C test ended the whole pytest run with exit code 0). Its one
+    # worker is forked (spawning one imports torch again: 20 s on a loaded CI machine)
     method = multiprocessing.get_start_method(allow_none=True)
+    sigint = signal.getsignal(signal.SIGINT)
     try:
         litdata.optimize(
             fn=sample,
@@ -52,6 +56,7 @@ def write(directory: str | Path, n: int = N) -> str:
         )
     finally:
         multiprocessing.set_start_method(method, force=True)
+        signal.signal(signal.SIGINT, sigint)
     return str(directory)
 
 

@@ -639,3 +639,33 @@ def test_a_resume_that_leaves_no_batch_of_the_epoch_ends_it_at_once(one_rank) ->
     # have started: epoch 0's epoch-end metrics count its 92 samples, epoch 1's its own 91
     metrics = run["resumed"]["epoch_metrics"]
     assert [(m["epoch"], len(m["id_cat"])) for m in metrics] == [(0, 92), (1, 91)]
+
+
+def test_a_sigint_handler_left_by_optimize_is_named_at_fit_start(tmp_path, caplog) -> None:
+    """LitData's optimize() leaves a SIGINT handler that ends the process with exit code 0 (it
+    ended this suite's pytest run once): a fit says so, and leaves the handler alone."""
+    import signal
+
+    from litdata.processing.data_processor import DataProcessor
+
+    from lightning_elastic.lightning import litdata_loaders
+    from tests.lightning.models import TinyModule
+
+    processor = DataProcessor.__new__(DataProcessor)  # the object optimize() leaves behind
+    previous = signal.signal(signal.SIGINT, processor._signal_handler)
+    try:
+        litdata_loaders._WARNED.discard("sigint")
+        trainer = make_trainer(
+            str(tmp_path),
+            max_steps=2,
+            devices=1,
+            callbacks=[DistributedCheckpoint(tmp_path / "ckpt")],
+        )
+        with caplog.at_level(logging.WARNING, "lightning_elastic"):
+            trainer.fit(TinyModule())
+        assert signal.getsignal(signal.SIGINT) == processor._signal_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert caplog.text.count("optimize() left its SIGINT handler") == 1, caplog.text
+    assert "DataProcessor._signal_handler" in caplog.text
+    assert "signal.default_int_handler" in caplog.text
