@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from lightning_elastic import ElasticFSDPStrategy, ElasticStrategy
 from lightning_elastic.core.elastic.planned_exit import WORKER_GENERATION_ENV
 from lightning_elastic.lightning.strategy import attempt_store
+from tests.elastic.agents import hosting
 from tests.lightning.models import TinyModule
 
 pytestmark = pytest.mark.timeout(240)
@@ -168,7 +168,8 @@ def test_a_group_forms_after_a_restart_that_one_agent_counted_and_the_other_did_
                     cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
                 )
             )
-            time.sleep(1.0)  # the first one hosts the rendezvous store
+            if len(nodes) == 1:  # the first one hosts the rendezvous store
+                hosting(nodes[0], port)
         outs = [node.communicate(timeout=200)[0].decode() for node in nodes]
     finally:
         for node in nodes:  # and its workers: sessions of their own

@@ -17,6 +17,7 @@ import pytest
 
 from lightning_elastic.cli import main as cli_main
 from tests.elastic import journal
+from tests.elastic.agents import hosting, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,35 +33,6 @@ def free_port() -> int:
 
 def records(root: Path) -> list[dict]:
     return journal.read(root / "journal")
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
-    """Wait until ``node`` (its agent, or a process under it) listens on the rendezvous port,
-    so that the agents started after it join its store. A warm-started agent binds the port only
-    once its server has imported torch and Lightning, seconds after it starts: after a fixed
-    sleep a later node could host the store, and draining that node took the store from the
-    others (seen: the host agent failed with RendezvousConnectionError)."""
-
-    def listening() -> bool:
-        assert node.poll() is None, "the agent meant to host the rendezvous store exited"
-        root = psutil.Process(node.pid)
-        for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                for conn in proc.net_connections("tcp"):
-                    if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
-                        return True
-        return False
-
-    wait_for(listening, timeout, f"the first agent to listen on port {port}")
 
 
 def assert_each_epoch_once(root: Path, last_step: int) -> None:

@@ -1,0 +1,39 @@
+"""Helpers for tests that run torchrun agents as nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Callable
+
+import psutil
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    """Wait until ``node`` (its agent, or a process under it) listens on the rendezvous port,
+    so that the agents started after it join its store. A warm-started agent binds the port only
+    once its server has imported torch and Lightning, seconds after it starts: after a fixed
+    sleep a later node could host the store, and draining that node took the store from the
+    others (seen: the host agent failed with RendezvousConnectionError)."""
+
+    def listening() -> bool:
+        assert node.poll() is None, "the agent meant to host the rendezvous store exited"
+        root = psutil.Process(node.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                for conn in proc.net_connections("tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+                        return True
+        return False
+
+    wait_for(listening, timeout, f"the first agent to listen on port {port}")
