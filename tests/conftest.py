@@ -174,7 +174,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # tests after it. LitData's optimize() left a SIGINT handler that calls os._exit(0): the next
 # Ctrl-C test ended the whole run there, with exit code 0 and two-thirds of the suite unrun.
 # Every test's teardown compares the handlers with the session's and fails the test that
-# changed them (after putting them back); .ci/run fails when the session never finished.
+# changed them (after putting them back), and puts torch.distributed's variables back;
+# .ci/run fails when the session never finished.
 
 _GUARDED_SIGNALS = tuple(
     getattr(signal, name)
@@ -182,6 +183,11 @@ _GUARDED_SIGNALS = tuple(
     if hasattr(signal, name)
 )
 _session_handlers: dict[int, Any] = {}
+# what Lightning's in-process fits leave in os.environ (_init_dist_connection writes
+# MASTER_ADDR/MASTER_PORT and nothing removes them): a later test's child processes inherited
+# the port of a store still open in this process and failed with EADDRINUSE
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+_session_env: dict[str, str | None] = {}
 
 
 def _handlers() -> dict[int, Any]:
@@ -190,11 +196,17 @@ def _handlers() -> dict[int, Any]:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _session_handlers.update(_handlers())
+    _session_env.update({k: os.environ.get(k) for k in _DIST_ENV})
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     result = yield
+    for key, value in _session_env.items():  # put back, without failing the test
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     if threading.current_thread() is not threading.main_thread():
         return result
     changed = {s: h for s, h in _handlers().items() if h != _session_handlers.get(s)}
