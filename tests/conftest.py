@@ -194,6 +194,9 @@ def _handlers() -> dict[int, Any]:
     return {s: signal.getsignal(s) for s in _GUARDED_SIGNALS}
 
 
+_SESSION_PID = os.getpid()  # a forked child that escaped into pytest must not write the marker
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _session_handlers.update(_handlers())
     _session_env.update({k: os.environ.get(k) for k in _DIST_ENV})
@@ -201,17 +204,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    result = yield
-    for key, value in _session_env.items():  # put back, without failing the test
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    if threading.current_thread() is not threading.main_thread():
-        return result
-    changed = {s: h for s, h in _handlers().items() if h != _session_handlers.get(s)}
-    for signum in changed:
-        signal.signal(signum, _session_handlers[signum])
+    # (a module- or session-scoped fixture that installs a handler is blamed on its first
+    # test: such a fixture must install it per test instead)
+    try:
+        result = yield
+    except BaseException:  # a fixture's teardown raised: put back all the same (the next
+        _put_back()  # test must not be blamed), and let its error be the report
+        raise
+    changed = _put_back()
     if changed:
         names = ", ".join(
             f"{signal.Signals(s).name} -> {h!r} (was {_session_handlers[s]!r})"
@@ -221,8 +221,24 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     return result
 
 
+def _put_back() -> dict[int, Any]:
+    """Put the session's torch.distributed variables and signal handlers back; the handlers
+    that had changed."""
+    for key, value in _session_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    changed = {s: h for s, h in _handlers().items() if h != _session_handlers.get(s)}
+    for signum in changed:
+        signal.signal(signum, _session_handlers[signum])
+    return changed
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     marker = os.environ.get("LIGHTNING_ELASTIC_SESSION_MARKER")
-    if marker:
+    if marker and os.getpid() == _SESSION_PID:
         with open(marker, "w") as f:
             f.write(f"finished {int(exitstatus)} {session.testscollected}\n")

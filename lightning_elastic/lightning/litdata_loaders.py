@@ -108,7 +108,8 @@ def warn_leftover_sigint() -> None:
 
     handler = signal.getsignal(signal.SIGINT)
     owner = getattr(handler, "__self__", None)
-    if not type(owner).__module__.startswith("litdata.") or "sigint" in _WARNED:
+    module = getattr(type(owner), "__module__", None)
+    if not (isinstance(module, str) and module.startswith("litdata.")) or "sigint" in _WARNED:
         return
     _WARNED.add("sigint")
     log.warning(

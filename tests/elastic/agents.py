@@ -36,4 +36,17 @@ def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
                         return True
         return False
 
-    wait_for(listening, timeout, f"the first agent to listen on port {port}")
+    try:
+        wait_for(listening, timeout, f"the first agent to listen on port {port}")
+    except BaseException:  # called before the caller's try: its workers are sessions of
+        kill_tree(node)  # their own, and would outlive the failed test
+        raise
+
+
+def kill_tree(node: subprocess.Popen) -> None:
+    """SIGKILL ``node`` and every process under it, and reap it."""
+    with contextlib.suppress(psutil.Error):
+        for proc in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    node.wait()

@@ -4,7 +4,6 @@ under a prefix of the worker group (``attempt_store``)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -13,14 +12,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
-import psutil
 import pytest
 import torch.distributed as dist
 
 from lightning_elastic import ElasticFSDPStrategy, ElasticStrategy
 from lightning_elastic.core.elastic.planned_exit import WORKER_GENERATION_ENV
 from lightning_elastic.lightning.strategy import attempt_store
-from tests.elastic.agents import hosting
+from tests.elastic.agents import hosting, kill_tree
 from tests.lightning.models import TinyModule
 
 pytestmark = pytest.mark.timeout(240)
@@ -174,10 +172,7 @@ def test_a_group_forms_after_a_restart_that_one_agent_counted_and_the_other_did_
     finally:
         for node in nodes:  # and its workers: sessions of their own
             if node.poll() is None:
-                for proc in [*psutil.Process(node.pid).children(recursive=True), node]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        proc.kill()
-                node.wait()
+                kill_tree(node)
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     done = [line for out in outs for line in out.splitlines() if line.startswith("rank ")]
     assert sorted(line.split()[1] for line in done) == ["0", "1"], done
