@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_elastic.testing.s3 import S3Server
+from tests.hygiene import DIST_ENV
 
 _buckets = itertools.count()
 
@@ -183,10 +184,6 @@ _GUARDED_SIGNALS = tuple(
     if hasattr(signal, name)
 )
 _session_handlers: dict[int, Any] = {}
-# what Lightning's in-process fits leave in os.environ (_init_dist_connection writes
-# MASTER_ADDR/MASTER_PORT and nothing removes them): a later test's child processes inherited
-# the port of a store still open in this process and failed with EADDRINUSE
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 _session_env: dict[str, str | None] = {}
 
 
@@ -199,7 +196,7 @@ _SESSION_PID = os.getpid()  # a forked child that escaped into pytest must not w
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _session_handlers.update(_handlers())
-    _session_env.update({k: os.environ.get(k) for k in _DIST_ENV})
+    _session_env.update({k: os.environ.get(k) for k in DIST_ENV})
 
 
 @pytest.hookimpl(wrapper=True)

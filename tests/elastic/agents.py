@@ -46,7 +46,8 @@ def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
 def kill_tree(node: subprocess.Popen) -> None:
     """SIGKILL ``node`` and every process under it, and reap it."""
     with contextlib.suppress(psutil.Error):
-        for proc in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
+        root = psutil.Process(node.pid)
+        for proc in [*root.children(recursive=True), root]:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
     node.wait()

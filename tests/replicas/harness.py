@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.hygiene import job_environ
+
 WORKER = Path(__file__).with_name("group_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,11 +41,6 @@ class Lighthouse:
         self.server.close()
 
 
-# a group is a job of its own: nothing of this process's torch.distributed setup (an
-# in-process fit leaves MASTER_PORT behind, whose store may still be open here)
-_DIST_ENV = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
-
-
 class Group:
     """One replica group's processes (a worker, or a torchrun agent and its workers); each
     start of a group writes its own journal."""
@@ -57,9 +54,8 @@ class Group:
         Group.started += 1
         self.journal = tmp / f"journal-{name}-{Group.started}.jsonl"
         self.log = tmp / f"{name}-{Group.started}.log"
-        inherited = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
         environ = {
-            **inherited,
+            **job_environ(),  # a group is a job of its own
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "LIGHTNING_ELASTIC_LIGHTHOUSE": lighthouse.address,
             "LIGHTNING_ELASTIC_REPLICA_GROUP": name,
