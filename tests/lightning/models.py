@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import time
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
 import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Dataset
+
+
+def lose_this_rank() -> None:
+    """SIGKILL this rank and every process under it, as losing its node would: its DataLoader
+    workers started by a forkserver (``worker_context``) are that forkserver's children, and
+    they and the forkserver would wait for each other and outlive the rank."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker_context(*modules: str) -> Any:
+    """The ``multiprocessing_context`` for a rank's DataLoader workers: a forkserver that has
+    imported torch, Lightning and ``modules`` (the ones that define the dataset) once per rank.
+    A worker started by spawn imports them again (about 7 s of CPU each, every epoch unless
+    persistent), and one forked from a rank can hang inside ``os.fork()`` on CPython 3.11.7
+    (gh-112275, seen in CI; tests/lightning/test_forking_workers.py). A rank that kills itself
+    takes them along (``lose_this_rank``); one that ends normally shuts them down."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "lightning.pytorch", *modules])
+    return context
 
 
 class IdDataset(Dataset):
@@ -72,7 +97,7 @@ class TinyModule(pl.LightningModule):
                 c for c in self.trainer.callbacks if type(c).__name__ == "DistributedCheckpoint"
             )
             checkpoint.engine.wait()  # the last async checkpoint is committed; now we die
-            os.kill(os.getpid(), signal.SIGKILL)
+            lose_this_rank()
         if (
             self.global_step == self.hparams.signal_at
             and self.global_rank == self.hparams.signal_rank

@@ -13,7 +13,7 @@ from torch.utils.data import Sampler, Subset
 
 from lightning_elastic import DistributedCheckpoint, ElasticStrategy, TierOptions
 from lightning_elastic.errors import PerRankStateError
-from tests.lightning.models import IdDataset, TinyModule, make_trainer
+from tests.lightning.models import IdDataset, TinyModule, make_trainer, worker_context
 
 
 class RankTally(pl.Callback):
@@ -90,13 +90,13 @@ class ShardedLoaderModule(TinyModule):
         shard = Subset(IdDataset(n), list(range(rank, n, world)))
         sampler = ShardShuffle(len(shard), seed=1000 + rank)
         workers = getattr(self, "loader_workers", 0)
-        return StatefulDataLoader(  # spawn: see streaming_workers.StreamingModule
+        return StatefulDataLoader(
             shard,
             batch_size=self.hparams.batch_size,
             sampler=sampler,
             num_workers=workers,
-            multiprocessing_context="spawn" if workers else None,
-            # one spawn per fit, not per epoch (each spawned worker imports torch again);
+            multiprocessing_context=worker_context(__name__) if workers else None,
+            # one start per fit, not per epoch;
             # the saved state then comes from workers that outlived an epoch boundary
             persistent_workers=workers > 0,
         )

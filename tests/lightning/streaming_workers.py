@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_elastic import DistributedCheckpoint, ElasticShardedIterable, ElasticStrategy
 from tests.elastic.journal import Journal
 from tests.elastic.workers import _Records
-from tests.lightning.models import IdDataset, TinyModule, make_trainer
+from tests.lightning.models import IdDataset, TinyModule, make_trainer, worker_context
 
 COUNTS = [7, 0, 13, 5, 9, 1, 11, 4, 8, 6]  # 10 shards (one empty), 64 samples
 
@@ -61,16 +61,12 @@ class StreamingModule(TinyModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = ElasticShardedIterable(self.shards, COUNTS, read_samples, shuffle=True)
-        # spawn: a worker forked from a rank can hang inside os.fork() itself on CPython
-        # 3.11.7 (gh-112275, seen in CI; tests/lightning/test_forking_workers.py), and the
-        # default in a run_distributed rank (a forkserver child) would be a forkserver, which
-        # outlives a SIGKILLed rank; spawned workers leave when their rank dies
         return DataLoader(
             dataset,
             batch_size=self.hparams.batch_size,
             num_workers=self.workers,
             persistent_workers=self.persistent,
-            multiprocessing_context="spawn" if self.workers else None,
+            multiprocessing_context=worker_context(__name__) if self.workers else None,
         )
 
 
