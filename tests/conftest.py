@@ -167,6 +167,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.torchrun)
         if reach.spawns:
             item.add_marker(pytest.mark.multiprocess)
+    _heavy_modules_first(items)
+
+
+def _heavy_modules_first(items: list[pytest.Item]) -> None:
+    """Modules with torchrun tests first, then those with other multi-process tests, then the
+    rest, each module's tests in their order. .ci/run hands whole modules to two pytest-xdist
+    workers in this order (``--dist loadfile --no-loadscope-reorder``): a module of several
+    torchrun chains takes minutes, and one scheduled last kept one worker busy for minutes
+    after the other had finished (xdist's own order puts modules with the most tests first)."""
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    def kind(item: pytest.Item) -> int:
+        return next(
+            (i for i, m in enumerate(("torchrun", "multiprocess")) if item.get_closest_marker(m)),
+            2,
+        )
+
+    weight: dict[str, int] = {}
+    for item in items:
+        weight[module(item)] = min(kind(item), weight.get(module(item), 2))
+    items.sort(key=lambda item: weight[module(item)])
 
 
 # --------------------------------------------------------------------------- process hygiene
@@ -236,6 +259,8 @@ def _put_back() -> dict[int, Any]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     marker = os.environ.get("LIGHTNING_ELASTIC_SESSION_MARKER")
-    if marker and os.getpid() == _SESSION_PID:
+    # the controller of a pytest-xdist run (its workers run the tests and finish first)
+    controller = not hasattr(session.config, "workerinput")
+    if marker and os.getpid() == _SESSION_PID and controller:
         with open(marker, "w") as f:
             f.write(f"finished {int(exitstatus)} {session.testscollected}\n")

@@ -2,9 +2,10 @@
 
 Processes come from a forkserver that has already imported torch and Lightning (when it is
 installed), so a rank starts in a fraction of a second instead of paying their imports (torch
-about 2 s, Lightning about 5 s of CPU per rank; the forkserver pays them once per process). The parent owns the
-rendezvous ``TCPStore`` (on a port the OS picks, so there are no port races) and can read
-it. A rank that hangs is made to dump its threads' stacks (faulthandler) and is killed.
+about 2 s, Lightning about 5 s of CPU per rank; the forkserver pays them once per process).
+The parent owns the rendezvous ``TCPStore`` (on a port the OS picks, so there are no port
+races) and can read it. A rank that hangs is made to dump its threads' stacks (faulthandler)
+and is killed.
 
 ``fn`` must be importable by reference (a module-level function); its result is pickled.
 """

@@ -5,7 +5,6 @@ under a prefix of the worker group (``attempt_store``)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -19,6 +18,7 @@ from lightning_elastic import ElasticFSDPStrategy, ElasticStrategy
 from lightning_elastic.core.elastic.planned_exit import WORKER_GENERATION_ENV
 from lightning_elastic.lightning.strategy import attempt_store
 from tests.elastic.agents import hosting, kill_tree
+from tests.hygiene import free_port
 from tests.lightning.models import TinyModule
 
 pytestmark = pytest.mark.timeout(240)
@@ -141,9 +141,7 @@ def test_a_group_forms_after_a_restart_that_one_agent_counted_and_the_other_did_
     the round before, and form the group (under the restart counts' prefixes they waited for
     each other until the timeout, and the job failed; with torch's own keys, the script's
     ``plain``, the group had not formed after 200 s)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = Path(__file__).with_name("scripts") / "slow_rank_restart.py"
     cmd = [
         sys.executable,

@@ -41,7 +41,8 @@ from pathlib import Path
 import pytest
 
 from tests.elastic import journal
-from tests.elastic.test_torchrun import free_port, kill_tree, stop, wait_for
+from tests.elastic.test_torchrun import kill_tree, stop, wait_for
+from tests.hygiene import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ import pytest
 from lightning_elastic.cli import main as cli_main
 from tests.elastic import journal
 from tests.elastic.agents import hosting, wait_for
+from tests.hygiene import free_port
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "elastic" / "scripts" / "elastic_train.py"
 N = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def records(root: Path) -> list[dict]:
@@ -108,10 +102,18 @@ def agent(
 
 
 def test_node_leaves_and_rejoins(tmp_path) -> None:
-    port, max_steps = free_port(), 150
-    first = agent(tmp_path, port, max_steps, tmp_path / "agent-a.log")
+    """Plain torchrun, workers started cold: node B is lost (agent and worker SIGKILLed), A
+    goes on alone, B comes back and the group scales up to 2 again. The test ends the job once
+    the epoch in which it scaled up is over (a stop file), so every epoch that saw a change is
+    checked whole."""
+    port, max_steps, stop_file = free_port(), 100_000, tmp_path / "stop"
+
+    def start(log: str) -> subprocess.Popen:
+        return agent(tmp_path, port, max_steps, tmp_path / log, stop_file=stop_file)
+
+    first = start("agent-a.log")
     hosting(first, port)  # agent A hosts the rendezvous store
-    second = agent(tmp_path, port, max_steps, tmp_path / "agent-b.log")
+    second = start("agent-b.log")
     agents = [first, second]
     try:
 
@@ -124,31 +126,51 @@ def test_node_leaves_and_rejoins(tmp_path) -> None:
         wait_for(lambda: steps_at(2, 10), 240, "training at world size 2")
         kill_tree(second.pid)  # node B is lost: its agent and its worker
         killed_at = time.time()
+
+        def restarted_alone(r: dict) -> bool:  # (A may also have started alone before B joined)
+            return r["kind"] == "start" and r["world"] == 1 and r["t"] > killed_at
+
         second.wait()
         wait_for(
-            lambda: any(r["kind"] == "start" and r["world"] == 1 for r in records(tmp_path)),
+            lambda: any(restarted_alone(r) for r in records(tmp_path)),
             240,
             "restart at 1",
         )
-        start_1 = next(r for r in records(tmp_path) if r["kind"] == "start" and r["world"] == 1)
+        start_1 = next(r for r in records(tmp_path) if restarted_alone(r))
         wait_for(lambda: steps_at(1, start_1["step"] + 6), 240, "progress at world size 1")
-        third = agent(tmp_path, port, max_steps, tmp_path / "agent-b2.log")  # node B is back
+        third = start("agent-b2.log")  # node B is back
         agents.append(third)
-        wait_for(
-            lambda: any(
-                r["kind"] == "start" and r["world"] == 2 and r["t"] > start_1["t"]
-                for r in records(tmp_path)
-            ),
-            240,
-            "scale back up to 2",
-        )
+
+        def scaled_up() -> dict | None:
+            return next(
+                (
+                    r
+                    for r in records(tmp_path)
+                    if r["kind"] == "start" and r["world"] == 2 and r["t"] > start_1["t"]
+                ),
+                None,
+            )
+
+        wait_for(lambda: scaled_up() is not None, 240, "scale back up to 2")
+        start_2 = scaled_up()
+        assert start_2 is not None
+
+        def next_epoch() -> bool:
+            steps = [
+                r for r in records(tmp_path) if r["kind"] == "step" and r["inc"] == start_2["inc"]
+            ]
+            return bool(steps) and max(r["epoch"] for r in steps) > min(r["epoch"] for r in steps)
+
+        wait_for(next_epoch, 240, "the epoch after the scale-up")
+        stop_file.touch()
         assert first.wait(timeout=300) == 0, (tmp_path / "agent-a.log").read_text()[-3000:]
         assert third.wait(timeout=60) == 0, (tmp_path / "agent-b2.log").read_text()[-3000:]
     finally:
         stop(agents)
     recs = records(tmp_path)
-    assert max(r["step"] for r in recs if r["kind"] == "end") == max_steps
-    assert_each_epoch_once(tmp_path, max_steps)
+    last_step = max(r["step"] for r in recs if r["kind"] == "end")
+    assert last_step > start_2["step"]
+    assert_each_epoch_once(tmp_path, last_step)
     assert cli_main(["verify", str(tmp_path / "ckpts")]) == 0
     # recovery after losing node B: kill -> restart/rendezvous -> imports -> load -> first step
     first_step = next(r for r in recs if r["kind"] == "step" and r["world"] == 1 and r["first"])

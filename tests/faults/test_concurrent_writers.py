@@ -314,8 +314,8 @@ def conclude(
 def test_two_runs_share_a_root(
     backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two single-process runs (different run ids, keep-last-2) save 30 steps (12 on S3) each into one
-    root at once."""
+    """Two single-process runs (different run ids, keep-last-2) save 30 steps (12 on S3)
+    each into one root at once."""
     jobs = [
         (spec(backend, sync_dir, "run-a", "a"), 1),
         (spec(backend, sync_dir, "run-b", "b", async_save=True), 1),
@@ -329,8 +329,8 @@ def test_requeued_job_fences_its_old_copy(
     backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Same run twice: the old copy (a) keeps saving while its requeued copy (b) resumes from
-    the run's newest checkpoint and saves 30 steps (12 on S3). b's load takes a newer lease; from then on
-    every save of a is refused with StaleWriterError naming b, and b wins."""
+    the run's newest checkpoint and saves 30 steps (12 on S3). b's load takes a newer lease;
+    from then on every save of a is refused with StaleWriterError naming b, and b wins."""
     old = spec(backend, sync_dir, "run-r", "a", async_save=True, pause_s=0.03)
     new = spec(backend, sync_dir, "run-r", "b", after=("a", 3), resume=True)
     reports = run_jobs([(old, 1), (new, 1)])
@@ -370,8 +370,8 @@ def test_requeued_job_fences_its_old_copy(
 def test_two_two_rank_jobs_share_a_root(
     backend: Backend, sync_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two 2-rank jobs (4 gloo processes) of different runs save 30 steps (12 on S3) into one root at
-    once; every rank of a job sees the same outcome of every save."""
+    """Two 2-rank jobs (4 gloo processes) of different runs save 30 steps (12 on S3) into
+    one root at once; every rank of a job sees the same outcome of every save."""
     jobs = [
         (spec(backend, sync_dir, "run-a", "a", async_save=True), 2),
         (spec(backend, sync_dir, "run-b", "b"), 2),
