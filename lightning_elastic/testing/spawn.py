@@ -5,13 +5,14 @@ installed), so a rank starts in a fraction of a second instead of paying their i
 about 2 s, Lightning about 5 s of CPU per rank; the forkserver pays them once per process).
 The parent owns the rendezvous ``TCPStore`` (on a port the OS picks, so there are no port
 races) and can read it. A rank that hangs is made to dump its threads' stacks (faulthandler)
-and is killed.
+and is killed, with every process it started (a process group per rank).
 
 ``fn`` must be importable by reference (a module-level function); its result is pickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -92,6 +93,10 @@ def _worker(
     pg_timeout_s: float,
 ) -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+    # a process group of its own: the parent ends the rank with whatever it started (a
+    # DataLoader's workers from a forkserver are that server's children, and the server and
+    # its children keep each other alive once the rank is gone)
+    os.setpgid(0, 0)
     os.environ.update(env)
     os.environ.update(
         {
@@ -208,6 +213,8 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
             p.join(5)
+            with contextlib.suppress(OSError):  # what the rank started and left behind
+                os.killpg(p.pid, signal.SIGKILL)
         results.close()
         del server
     errors: dict[int, RankError | str] = {}

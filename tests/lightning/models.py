@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 def lose_this_rank() -> None:
     """SIGKILL this rank and every process under it, as losing its node would: its DataLoader
     workers started by a forkserver (``worker_context``) are that forkserver's children, and
-    they and the forkserver would wait for each other and outlive the rank."""
+    they and the forkserver would keep each other alive after the rank is gone."""
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             child.kill()

@@ -131,8 +131,11 @@ def test_one_process_groups_lose_join_drain_stop_and_restart_without_stopping_th
 def test_two_process_groups_lose_a_process_and_rejoin_through_torchrun(tmp_path: Path) -> None:
     """Groups of two processes (torchrun): a worker of one group dies inside a step, torchrun
     restarts that group, which heals from the other; the other never restarts; then a planned
-    drain of the restarted group (SIGTERM to its torchrun agent)."""
-    lighthouse = Lighthouse()
+    drain of the restarted group (SIGTERM to its torchrun agent). A 3 s join timeout: the
+    groups start their agents, then their workers, and in a run of the suite on two workers
+    their first steps were 1.7 s apart: at the server's 0.5 s each trained in a quorum of one
+    (``participants`` 1 in both journals), and both trained epoch 0's samples."""
+    lighthouse = Lighthouse(join_s=3.0)
     common = {"SAMPLES": SAMPLES, "EPOCHS": 30, "STEP_SLEEP": 0.08, "BATCH": 2}
     try:
         a = Group(tmp_path, lighthouse, "a", nproc=2, **common)
