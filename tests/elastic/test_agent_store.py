@@ -171,8 +171,11 @@ def test_a_group_forms_after_a_restart_that_one_agent_counted_and_the_other_did_
         for node in nodes:  # and its workers: sessions of their own
             if node.poll() is None:
                 kill_tree(node)
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    logs = "\n".join(o[-3000:] for o in outs)  # the agents' logs: which worker exited how
+    assert [node.returncode for node in nodes] == [0, 0], logs
     done = [line for out in outs for line in out.splitlines() if line.startswith("rank ")]
-    assert sorted(line.split()[1] for line in done) == ["0", "1"], done
+    # (once, with the other xdist worker busy, a second round followed the one that
+    # succeeded, both agents counting one restart: these logs will say why)
+    assert sorted(line.split()[1] for line in done) == ["0", "1"], f"{done}\n{logs}"
     assert all("agent store True sum 2" in line for line in done), done
     assert sorted(line.split()[3] for line in done) == ["0", "1"], "the agents' counts agreed"
