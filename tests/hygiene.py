@@ -9,6 +9,8 @@ import random
 import socket
 from pathlib import Path
 
+import psutil
+
 # what Lightning's in-process fits leave in os.environ (_init_dist_connection writes
 # MASTER_ADDR/MASTER_PORT and nothing removes them): a later test's child processes inherited
 # the port of a store still open in this process and failed with EADDRINUSE
@@ -43,6 +45,17 @@ def free_port() -> int:
             s.bind(("127.0.0.1", port))
             return port
     raise RuntimeError(f"no free port in {start}-{start + span - 1}")
+
+
+def listens(root: psutil.Process, port: int) -> bool:
+    """Whether ``root`` or a process under it listens on TCP ``port`` (a process that exits
+    meanwhile counts as not listening)."""
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            for conn in proc.net_connections("tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+                    return True
+    return False
 
 
 def _ephemeral_low() -> int:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import psutil
 
+from tests.hygiene import listens
+
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
@@ -28,13 +30,7 @@ def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
 
     def listening() -> bool:
         assert node.poll() is None, "the agent meant to host the rendezvous store exited"
-        root = psutil.Process(node.pid)
-        for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                for conn in proc.net_connections("tcp"):
-                    if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
-                        return True
-        return False
+        return listens(psutil.Process(node.pid), port)
 
     try:
         wait_for(listening, timeout, f"the first agent to listen on port {port}")

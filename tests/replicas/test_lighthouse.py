@@ -15,7 +15,7 @@ import pytest
 
 from lightning_elastic.cli import main
 from lightning_elastic.errors import ConfigError
-from tests.hygiene import free_port
+from tests.hygiene import free_port, listens
 
 pytest.importorskip("torchft", reason="replica groups need torchft (the ft extra)")
 
@@ -48,13 +48,7 @@ def test_the_in_process_lighthouse_serves_its_status_page_until_closed() -> None
             assert page.status == 200
     # closed: this process no longer listens on the port (a connection to it could reach a
     # server another process bound there since: the other xdist worker's Lighthouse did)
-    port = int(lighthouse.address.rpartition(":")[2])
-    listening = [
-        c
-        for c in psutil.Process().net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-    ]
-    assert not listening, listening
+    assert not listens(psutil.Process(), int(lighthouse.address.rpartition(":")[2]))
     with pytest.raises(ConfigError, match="min_replica_groups"):
         Lighthouse(min_replica_groups=0)
 
