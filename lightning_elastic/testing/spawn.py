@@ -141,6 +141,26 @@ def _worker(
     os._exit(0)
 
 
+def _kill_leftovers(rank: Any) -> None:
+    """SIGKILL what the ended ``rank`` started and left behind in its process group. A rank
+    already reaped frees its pid: once its group is empty too, another process may take that
+    pid and lead a group of its own (a rank of another test calls ``setpgid``, a torchrun
+    worker ``setsid``); the suite's pids wrap (``pid_max`` 32768), so a pid that names a live
+    process again names that process's group, not ours, and is left alone (Linux reuses no
+    pid while a process group of that id exists)."""
+    if rank.exitcode is not None:  # reaped
+        try:
+            os.kill(rank.pid, 0)
+        except ProcessLookupError:
+            pass  # no such process: a group of that id can only be the rank's
+        except OSError:
+            return
+        else:
+            return  # the pid is another process's now
+    with contextlib.suppress(OSError):
+        os.killpg(rank.pid, signal.SIGKILL)
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -213,8 +233,7 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
             p.join(5)
-            with contextlib.suppress(OSError):  # what the rank started and left behind
-                os.killpg(p.pid, signal.SIGKILL)
+            _kill_leftovers(p)
         results.close()
         del server
     errors: dict[int, RankError | str] = {}

@@ -115,9 +115,10 @@ def persistent_full(root: str, nodes: list[str], steps: int) -> list[int]:
     return committed
 
 
-def slow_replication_once(root: str, nodes: list[str], delay: float) -> int:
+def slow_replication_once(root: str, nodes: list[str], delay: float, timeout: float) -> int:
     """Rank 1 starts the replication of the 2nd save ``delay`` s late (longer than the
-    timeout), once; returns how many saves' replicas failed over 4 saves."""
+    timeout, shorter than two: rank 0 waits one timeout in the transfer and one at the next
+    save's decision), once; returns how many saves' replicas failed over 4 saves."""
     from lightning_elastic.core.tiers import runtime
 
     rank = dist.get_rank()
@@ -130,7 +131,7 @@ def slow_replication_once(root: str, nodes: list[str], delay: float) -> int:
         return real(*args, **kwargs)
 
     runtime.execute_transfers = slow  # type: ignore[assignment]
-    with engine(root, nodes, timeout=5, persist_every_n_saves=100) as eng:
+    with engine(root, nodes, timeout=timeout, persist_every_n_saves=100) as eng:
         for step in (1, 2, 3, 4, 5):
             handle = eng.save(state(step), step=step)
             assert handle is not None
