@@ -40,10 +40,19 @@ def hosting(node: subprocess.Popen, port: int, timeout: float = 120) -> None:
 
 
 def kill_tree(node: subprocess.Popen) -> None:
-    """SIGKILL ``node`` and every process under it, and reap it."""
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(node.pid)
-        for proc in [*root.children(recursive=True), root]:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+    """SIGKILL ``node`` and every process under it, and reap it. Nothing is signalled once
+    ``node`` was reaped: its pid may name another test's process by now (the suite's pids
+    wrap at 32768)."""
+    if node.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(node.pid)
+            for proc in [*root.children(recursive=True), root]:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()  # (psutil checks that the pid names the same process)
     node.wait()
+
+
+def stop(agents: list[subprocess.Popen]) -> None:
+    """Kill what is still running of ``agents`` (agent and workers) and reap them."""
+    for proc in agents:
+        kill_tree(proc)

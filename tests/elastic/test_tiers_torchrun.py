@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from tests.elastic import journal
-from tests.elastic.test_torchrun import kill_tree, stop, wait_for
+from tests.elastic.agents import kill_tree, stop, wait_for
 from tests.hygiene import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -124,8 +124,7 @@ class Cluster:
 
     def kill(self, *nodes: str) -> None:
         for node in nodes:
-            kill_tree(self.agents[node].pid)
-            self.agents.pop(node).wait()
+            kill_tree(self.agents.pop(node))
 
     def logs(self) -> str:
         return "\n".join(

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_elastic.cli import main as cli_main
 from tests.elastic import journal
-from tests.elastic.agents import hosting, wait_for
+from tests.elastic.agents import hosting, kill_tree, stop, wait_for
 from tests.hygiene import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,21 +37,6 @@ def assert_each_epoch_once(root: Path, last_step: int) -> None:
         assert per_epoch[epoch] == collections.Counter(range(N)), (
             f"epoch {epoch} not seen exactly once"
         )
-
-
-def kill_tree(pid: int) -> None:
-    parent = psutil.Process(pid)
-    for proc in [*parent.children(recursive=True), parent]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.send_signal(signal.SIGKILL)
-
-
-def stop(agents: list[subprocess.Popen]) -> None:
-    """Kill what is still running of ``agents`` (agent and workers) and reap them."""
-    for proc in agents:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-        proc.wait()
 
 
 def agent(
@@ -124,7 +109,7 @@ def test_node_leaves_and_rejoins(tmp_path) -> None:
             )
 
         wait_for(lambda: steps_at(2, 10), 240, "training at world size 2")
-        kill_tree(second.pid)  # node B is lost: its agent and its worker
+        kill_tree(second)  # node B is lost: its agent and its worker
         killed_at = time.time()
 
         def restarted_alone(r: dict) -> bool:  # (A may also have started alone before B joined)
@@ -403,7 +388,7 @@ def test_long_run_with_planned_changes_and_losses(tmp_path) -> None:
             if how == "drain":
                 node.send_signal(signal.SIGTERM)  # its agent stops its worker: agreed exit
             else:
-                kill_tree(node.pid)  # the node is lost
+                kill_tree(node)  # the node is lost
             node.wait(timeout=120)
             progress(1, leaves[-1][1])
             if i < 3:

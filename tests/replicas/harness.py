@@ -98,9 +98,11 @@ class Group:
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the group's processes (a torchrun agent's workers too)."""
-        for pid in self._tree():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        import psutil
+
+        for proc in self._tree():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signum)  # (psutil checks that the pid names the same process)
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
@@ -109,12 +111,16 @@ class Group:
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
-    def _tree(self) -> list[int]:
+    def _tree(self) -> list[Any]:
+        """The group's running processes (``psutil.Process``). None once the group's process
+        was reaped: its pid may name another test's process by now (the suite's pids wrap)."""
         import psutil
 
+        if self.process.poll() is not None:
+            return []
         try:
             root = psutil.Process(self.process.pid)
-            return [root.pid, *(child.pid for child in root.children(recursive=True))]
+            return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
 
