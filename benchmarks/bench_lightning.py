@@ -22,7 +22,22 @@ configurations are:
 * DistributedCheckpoint - ours with ``ElasticFSDPStrategy`` (lazy snapshots), and
   DistributedCheckpoint[blocking] with ``snapshot="blocking"``.
 
-A checkpoint is due every K steps, K chosen so that a save falls every ~6.5 s of training.
+Two kinds of step (``--step``):
+
+* ``cpu`` (the default): forward, backward, DDP's gradient all-reduce and Adam on the host,
+  one core per rank: training and every background thread (the writes) compete for the same
+  2 cores. This bounds what a CPU-only job sees.
+* ``accelerator``: the step's compute runs on a device and the host thread waits for it (a
+  sleep of ``--step-ms``, where a CUDA synchronize would block), as on a GPU node: the host's
+  cores are free for the background work. Manual optimization: the step sleeps, all-reduces
+  one element (the ranks step together, as DDP's gradient sync makes them), calls
+  ``optimizer.step()`` (where a lazy snapshot's guard waits) and changes the parameters in
+  place; Adam's state is allocated once before the first step, so the checkpoint holds the
+  same ~1.1 GB. The state stays in host memory: staging is a host copy, where a GPU node
+  copies device to pinned host memory.
+
+A checkpoint is due every K steps, K chosen so that a save falls every ~``--save-every-s``
+(default 6.5) s of training.
 Reported per configuration (medians over rounds): training steps/s relative to ``none``, seconds
 the training loop was blocked per save (from the step times), and seconds from the save call
 to the data being written (ours: to the durable commit, fsync included; Lightning's
@@ -30,6 +45,7 @@ to the data being written (ours: to the durable commit, fsync included; Lightnin
 
     python benchmarks/bench_lightning.py [--small] [--fsdp] [--rounds 3] [--steps 40]
         [--layers 22 --width 2048]   (state: layers x (W*W + W) x 4 bytes x 3, with Adam)
+        [--step cpu|accelerator --step-ms 250] [--save-every-s 6.5]
 """
 
 from __future__ import annotations
@@ -69,13 +85,18 @@ FSDP_CONFIGS = [
 ]
 
 
-def build_module(layers: int, width: int, batch: int, fsdp: bool = False) -> Any:
+def build_module(
+    layers: int, width: int, batch: int, fsdp: bool = False, device_step_s: float | None = None
+) -> Any:
+    """The benchmark's model; with ``device_step_s`` its step is the ``accelerator`` kind (the
+    module docstring)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     class Big(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
+            self.automatic_optimization = device_step_s is None
             self.net = torch.nn.Sequential(
                 *[
                     torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
@@ -93,7 +114,26 @@ def build_module(layers: int, width: int, batch: int, fsdp: bool = False) -> Any
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        def on_train_start(self) -> None:
+            if device_step_s is None:
+                return
+            # no backward on the host: DDP must not wait for one after each forward
+            self.trainer.strategy.model.require_backward_grad_sync = False
+            optimizer = self.optimizers().optimizer
+            for p in self.parameters():  # Adam's state, allocated as a first step would
+                p.grad = torch.zeros_like(p)
+            optimizer.step()  # (zero gradients: the parameters do not move)
+            optimizer.zero_grad(set_to_none=True)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            if device_step_s is not None:
+                time.sleep(device_step_s)  # the host waits for the device's step
+                dist.all_reduce(torch.zeros(1))  # the ranks step together
+                self.optimizers().step()  # no gradients: the guard, and Adam's loop
+                with torch.no_grad():  # the state changes between saves
+                    first = self.net[0][0].weight
+                    first[self.global_step % first.shape[0], 0] += 1.0
+                return None
             (x,) = batch
             return self.net(x).pow(2).mean()
 
@@ -171,6 +211,7 @@ def run_fit(
     width: int,
     batch: int,
     fsdp: bool = False,
+    device_step_s: float | None = None,
 ) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -251,7 +292,7 @@ def run_fit(
         enable_checkpointing=config != "none",
         default_root_dir=root,
     )
-    model = build_module(layers, width, batch, fsdp)
+    model = build_module(layers, width, batch, fsdp, device_step_s)
     trainer.fit(model)
     del trainer, model  # each fit holds ~1.1 GB: free it before the next one
     gc.collect()
@@ -287,14 +328,23 @@ def run_fit(
 
 
 def worker(
-    rounds: int, steps: int, layers: int, width: int, batch: int, scratch: str, fsdp: bool
+    rounds: int,
+    steps: int,
+    layers: int,
+    width: int,
+    batch: int,
+    scratch: str,
+    fsdp: bool,
+    device_step_s: float | None = None,
+    save_every_s: float = 6.5,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)  # two ranks on two cores
     rank = dist.get_rank()
-    # calibrate: the step time without checkpoints decides K (every ~6.5 s of training)
-    probe = run_fit("none", f"{scratch}/probe", 8, 10**6, layers, width, batch, fsdp)
-    # a save every 2W steps, W ~ 6.5 s of training: W-step windows with and without a save
-    every_t = torch.tensor([2 * max(2, round(6.5 * probe["steps_per_s"]))])
+    shape = (layers, width, batch, fsdp, device_step_s)
+    # calibrate: the step time without checkpoints decides K (a save every ~save_every_s)
+    probe = run_fit("none", f"{scratch}/probe", 8, 10**6, *shape)
+    # a save every 2W steps, W ~ save_every_s of training: W-step windows with and without one
+    every_t = torch.tensor([2 * max(2, round(save_every_s * probe["steps_per_s"]))])
     dist.all_reduce(every_t, op=dist.ReduceOp.MAX)
     every = int(every_t.item())
     steps = max(steps, 4 * every + 3)  # warm-up, the first save, then three measured cycles
@@ -303,9 +353,7 @@ def worker(
     for r in range(rounds):
         order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for config in order:
-            results[config].append(
-                run_fit(config, f"{scratch}/{config}", steps, every, layers, width, batch, fsdp)
-            )
+            results[config].append(run_fit(config, f"{scratch}/{config}", steps, every, *shape))
     return {"rank": rank, "every": every, "results": results}
 
 
@@ -325,9 +373,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--step",
+        choices=["cpu", "accelerator"],
+        default="cpu",
+        help="the step's compute on the host's cores, or a wait for a device (module docstring)",
+    )
+    parser.add_argument("--step-ms", type=float, default=250.0, help="the accelerator step")
+    parser.add_argument("--save-every-s", type=float, default=6.5)
     args = parser.parse_args()
+    device_step_s = args.step_ms / 1e3 if args.step == "accelerator" else None
     configs = FSDP_CONFIGS if args.fsdp else CONFIGS
-    out_path = args.out or f"benchmarks/results/lightning{'_fsdp' if args.fsdp else ''}.json"
+    suffix = ("_fsdp" if args.fsdp else "") + ("_accelerator" if device_step_s else "")
+    out_path = args.out or f"benchmarks/results/lightning{suffix}.json"
     layers, width = (4, 512) if args.small else (22, 2048)
     layers, width = args.layers or layers, args.width or width  # a size that fits the machine
     state_gb = layers * (width * width + width) * 4 * 3 / 1e9
@@ -344,6 +402,8 @@ def main() -> None:
             args.batch,
             scratch,
             args.fsdp,
+            device_step_s,
+            args.save_every_s,
             timeout=7200,
         )
     finally:
@@ -356,7 +416,8 @@ def main() -> None:
         f"\n{state_gb:.2f} GB of model + Adam state, 2 ranks, {args.rounds} interleaved rounds (rank 0)."
     )
     print(
-        f"Throughput with a checkpoint every {window} steps (~6.5 s): within each fit, the {window} steps that"
+        f"Throughput with a checkpoint every {window} steps (~{args.save_every_s:g} s, {args.step} step): "
+        f"within each fit, the {window} steps that"
     )
     print(
         f"start with a save against the next {window} steps without one ('vs none'; median over windows);"
