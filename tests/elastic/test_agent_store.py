@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -156,7 +157,8 @@ def test_a_group_forms_after_a_restart_that_one_agent_counted_and_the_other_did_
         *[str(script), "prefixed"],
     ]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "OMP_NUM_THREADS": "1"}
-    nodes = []
+    nodes: list[subprocess.Popen] = []
+    outs = []
     try:
         for _ in range(2):
             nodes.append(
@@ -166,11 +168,19 @@ def test_a_group_forms_after_a_restart_that_one_agent_counted_and_the_other_did_
             )
             if len(nodes) == 1:  # the first one hosts the rendezvous store
                 hosting(nodes[0], port)
-        outs = [node.communicate(timeout=200)[0].decode() for node in nodes]
+        deadline = time.monotonic() + 200
+        for node in nodes:
+            try:
+                out = node.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+            except subprocess.TimeoutExpired:  # the logs say where it stands
+                kill_tree(node)
+                out = node.communicate()[0] + b"\n[still running after 200 s: killed]"
+            outs.append(out.decode(errors="replace"))
     finally:
         for node in nodes:  # and its workers: sessions of their own
-            if node.poll() is None:
-                kill_tree(node)
+            kill_tree(node)
+            if node.stdout is not None:
+                node.stdout.close()
     logs = "\n".join(o[-3000:] for o in outs)  # the agents' logs: which worker exited how
     assert [node.returncode for node in nodes] == [0, 0], logs
     done = [line for out in outs for line in out.splitlines() if line.startswith("rank ")]

@@ -6,6 +6,7 @@ looked for its address. The group is initialized as our strategies initialize it
 (``attempt_store``), or with torch's own keys (``plain``: gloo's ``connectFullMesh ...
 Connection refused``, rank 1 read the address rank 0 of round 0 had left)."""
 
+import faulthandler
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_elastic.lightning.strategy import attempt_store
 
+faulthandler.enable()  # a worker that aborts (once seen in CI: exit code -6) says where
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 marker = Path(f"rank{rank}.started")  # in the test's folder: a rank's first round
 first = not marker.exists()
@@ -40,3 +42,5 @@ dist.all_reduce(tensor)
 restarts = os.environ["TORCHELASTIC_RESTART_COUNT"]
 shared = os.environ["TORCHELASTIC_USE_AGENT_STORE"]
 print(f"rank {rank} restarts {restarts} agent store {shared} sum {tensor.item():.0f}", flush=True)
+dist.barrier()  # neither rank leaves while the other may still use the group
+dist.destroy_process_group()
