@@ -18,7 +18,15 @@ wait for the save in flight.
 
 A save blocks training while the state is copied into the engine's host buffer (one staging
 copy, reused across saves), then writes, checksums and commits in a background thread; the
-next save, a load of that directory, a removal or ``teardown`` waits for it. Guarantees:
+next save, a load of that directory, a removal or ``teardown`` waits for it. With
+``snapshot="lazy"`` (the default) the save returns before the parameters and the optimizer
+state are copied: the writer thread copies them while the next step's forward and backward
+run, and every optimizer step of the process waits for that copy before it changes them
+(:class:`~lightning_elastic.core.save.snapshot.EveryOptimizerGuard`: torch's global step
+pre-hook, after the closure; the optimizers seen stepping name what is guarded, so a fit's
+first save copies everything at once). Something else changing a parameter in place before
+the copy fails that save (it is not committed, never mixed; logged) and the directory's saves
+copy everything at once from then on (``SnapshotFallbackWarning``). Guarantees:
 
 * a crash leaves the previous checkpoint of a path or the new one (``last.ckpt`` is replaced
   under its name: its manifest is swapped only when the new one is durable);
@@ -59,9 +67,15 @@ from lightning_elastic.core.format.manifest import MANIFEST_FILE
 from lightning_elastic.core.options import check_bool, check_choice, check_seconds
 from lightning_elastic.core.policy.housekeeping import delete_checkpoint
 from lightning_elastic.core.save.request import SaveResult
+from lightning_elastic.core.save.snapshot import SNAPSHOT_MODES, EveryOptimizerGuard
 from lightning_elastic.core.storage.base import Storage, local_path
 from lightning_elastic.core.storage.checksum import DEFAULT_ALGORITHM
-from lightning_elastic.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
+from lightning_elastic.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    SnapshotChangedError,
+)
 from lightning_elastic.lightning.loading import load_elastic_checkpoint
 from lightning_elastic.lightning.resume import is_elastic_checkpoint
 
@@ -92,6 +106,9 @@ class ElasticCheckpointIO(CheckpointIO):
     Args:
         async_save: write in a background thread after one copy of the state into a reused
             host buffer (``True``), or write and commit before returning.
+        snapshot: with ``async_save``, when the parameters and optimizer state are copied:
+            ``"lazy"`` while the next forward and backward run (every optimizer step waits
+            for the copy), ``"blocking"`` before the save returns (module docstring).
         verify: what a load checks first: ``"full"`` (checksums), ``"size"`` or ``"none"``.
         checksum: the manifest's checksum algorithm (``"xxh3_64"``, ``"crc32"``, ...).
         compression: ``None`` or ``"zstd"``.
@@ -106,6 +123,7 @@ class ElasticCheckpointIO(CheckpointIO):
         self,
         *,
         async_save: bool = True,
+        snapshot: str = "lazy",
         verify: str = "full",
         checksum: str = DEFAULT_ALGORITHM,
         compression: str | None = None,
@@ -114,11 +132,13 @@ class ElasticCheckpointIO(CheckpointIO):
         trusted: bool = False,
     ) -> None:
         check_bool(async_save, "async_save")
+        check_choice(snapshot, "snapshot", SNAPSHOT_MODES)
         check_choice(verify, "verify", VERIFY_MODES)
         check_bool(trusted, "trusted")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
         self.async_save = async_save
+        self.snapshot = snapshot if async_save else "blocking"
         self.verify = verify
         self.checksum = checksum
         self.compression = compression
@@ -128,6 +148,7 @@ class ElasticCheckpointIO(CheckpointIO):
         self.last_result: SaveResult | None = None  # the newest committed save
         self._directories: dict[str, _Directory] = {}
         self._lock = threading.RLock()
+        self._guard: EveryOptimizerGuard | None = None  # at the first lazy save
         # validated now (ConfigError), not at the first save in the middle of a fit
         from lightning_elastic.core.save.request import SaveConfig
 
@@ -152,6 +173,11 @@ class ElasticCheckpointIO(CheckpointIO):
                     other.engine.arena.release()
             directory = self._directory(root, storage_options)
             self._finish(directory)
+            guarded = None
+            if self.snapshot == "lazy":
+                if self._guard is None:
+                    self._guard = EveryOptimizerGuard(_waiter(self))
+                guarded = self._guard.tensors()
             handle = directory.engine.save(
                 checkpoint,
                 step=_int(checkpoint, "global_step", "step"),
@@ -161,6 +187,7 @@ class ElasticCheckpointIO(CheckpointIO):
                 name=name,
                 overwrite=True,
                 blocking=not self.async_save,
+                guarded=guarded,
             )
             directory.handle = handle
             directory.handling = _handled()
@@ -228,6 +255,9 @@ class ElasticCheckpointIO(CheckpointIO):
         save starts new ones."""
         with self._lock:
             directories, self._directories = self._directories, {}
+            guard, self._guard = self._guard, None
+            if guard is not None:
+                guard.remove()
             errors = []
             handled = _handled()  # here, not in the `except` below (that one would be ours)
             during = False  # a save failed that began while `handled` was being handled
@@ -278,6 +308,7 @@ class ElasticCheckpointIO(CheckpointIO):
         state = self.__dict__.copy()
         state["_directories"] = {}
         state["_lock"] = None
+        state["_guard"] = None  # a hook of this process
         state["last_result"] = None
         return state
 
@@ -302,6 +333,7 @@ class ElasticCheckpointIO(CheckpointIO):
                 storage_options=options,
                 coordinator=Coordinator.single_process(self.timeout),
                 async_save=self.async_save,
+                snapshot=self.snapshot,
                 checksum=self.checksum,
                 compression=self.compression,
                 timeout=self.timeout,
@@ -318,6 +350,16 @@ class ElasticCheckpointIO(CheckpointIO):
         if handle is not None:
             try:
                 result = handle.result()
+            except SnapshotChangedError as exc:
+                # not committed (it would have mixed two states); the engine warns at its next
+                # save and copies everything at once from then on; what it made way for stays
+                log.warning(
+                    "%s not committed: %s%s",
+                    handle.name,
+                    exc,
+                    f"; kept {', '.join(doomed)}" if doomed else "",
+                )
+                return
             except Exception:
                 if doomed:
                     log.warning(
@@ -353,6 +395,20 @@ class ElasticCheckpointIO(CheckpointIO):
             log.debug("removed checkpoint %s", location)
         else:  # not ours: a file of an earlier run, removed as Lightning would
             TorchCheckpointIO().remove_checkpoint(location)
+
+
+def _waiter(plugin: ElasticCheckpointIO) -> Any:
+    """What the optimizer-step guard calls: wait for the lazy copies in flight of ``plugin``'s
+    directories (held weakly: the global hook does not keep a dropped plugin alive)."""
+    ref = weakref.ref(plugin)
+
+    def wait() -> None:
+        live = ref()
+        if live is not None:
+            for directory in list(live._directories.values()):
+                directory.engine.wait_snapshot()
+
+    return wait
 
 
 def finish_saves_of(path: Any) -> None:

@@ -178,3 +178,102 @@ def test_an_update_outside_the_step_costs_one_save_and_one_warning(tmp_path, slo
     assert len([w for w in caught if w.category is SnapshotFallbackWarning]) == 1
     saved = checkpoints(tmp_path)
     assert sorted(saved) == [2, 6, 8]  # step 4's was given up, never written mixed
+
+
+# ElasticCheckpointIO under ModelCheckpoint: it holds neither the module nor the optimizers, so
+# every optimizer step of the process waits for its copy (torch's global step pre-hook, after
+# the closure: Lightning's automatic optimization runs the forward and backward in it)
+
+
+def fit_plugin(root: Path, case: str, snapshot: str, max_steps: int, **net: Any) -> Net:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_elastic import ElasticCheckpointIO
+
+    trainer_kwargs, net_kwargs, _ = CASES[case]
+    pl.seed_everything(3, verbose=False)
+    model = Net(**net_kwargs, **net)
+    trainer = make_trainer(
+        str(root),
+        max_steps=max_steps,
+        strategy="auto",
+        devices=1,
+        callbacks=[ModelCheckpoint(root / "mc", every_n_train_steps=2, save_top_k=-1)],
+        plugins=[ElasticCheckpointIO(snapshot=snapshot)],
+        enable_checkpointing=True,
+        **trainer_kwargs,
+    )
+    trainer.fit(model)
+    return model
+
+
+def plugin_checkpoints(root: Path) -> dict[int, dict]:
+    from lightning_elastic import ElasticCheckpointIO
+
+    io, out = ElasticCheckpointIO(), {}
+    for path in sorted((root / "mc").glob("*.ckpt")):
+        state = io.load_checkpoint(path)
+        out[state["global_step"]] = {k: state[k] for k in ("state_dict", "optimizer_states")}
+    return out
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Using ModelCheckpoint with manual optimization:UserWarning",  # (what we compare)
+)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plugins_lazy_checkpoints_are_the_blocking_ones(tmp_path, slow_copy, case) -> None:
+    """(A resume from them is Lightning's: mid-epoch it cannot restore the data position.)"""
+    fit_plugin(tmp_path / "blocking", case, "blocking", STEPS)
+    assert not slow_copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SnapshotFallbackWarning)  # no save is given up
+        fit_plugin(tmp_path / "lazy", case, "lazy", STEPS)
+    assert len(slow_copy) >= 2  # the optimizer steps after the saves waited for late copies
+    blocking, lazy = (
+        plugin_checkpoints(tmp_path / "blocking"),
+        plugin_checkpoints(tmp_path / "lazy"),
+    )
+    assert sorted(blocking) == [2, 4, 6] and sorted(lazy) == sorted(blocking)
+    for step in lazy:
+        assert_bitwise(lazy[step], blocking[step], f"step {step}")
+
+
+def test_the_plugins_first_save_copies_at_once_and_a_dropped_plugin_guards_nothing(
+    tmp_path, slow_copy
+) -> None:
+    """Before any optimizer step nothing is known to guard: everything is copied at the save
+    point. The global hook holds the plugin weakly, and teardown removes it."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from lightning_elastic import ElasticCheckpointIO
+
+    before = len(_global_optimizer_pre_hooks)
+    io = ElasticCheckpointIO()
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    io.save_checkpoint({"w": net.state_dict(), "global_step": 0}, tmp_path / "a.ckpt")
+    assert not slow_copy  # (the lazy copy would wait up to 2 s for a guard: none was lazy)
+    assert len(_global_optimizer_pre_hooks) == before + 1
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()  # now known: the next save copies the parameters late
+    io.save_checkpoint({"w": net.state_dict(), "global_step": 1}, tmp_path / "b.ckpt")
+    opt.step()  # waits for that copy
+    assert slow_copy
+    io.teardown()
+    assert len(_global_optimizer_pre_hooks) == before
+    io.save_checkpoint({"w": net.state_dict(), "global_step": 2}, tmp_path / "c.ckpt")
+    del io
+    gc.collect()
+    opt.step()  # the hook of a dropped plugin waits for nothing
+    assert len(_global_optimizer_pre_hooks) == before + 1  # (until the interpreter ends)
+
+
+def test_an_update_outside_the_step_costs_the_plugin_one_save_and_one_warning(
+    tmp_path, slow_copy
+) -> None:
+    with pytest.warns(SnapshotFallbackWarning) as caught:
+        fit_plugin(tmp_path, "plain", "lazy", STEPS + 2, poke_at=4)  # after the step-4 save
+    assert len([w for w in caught if w.category is SnapshotFallbackWarning]) == 1
+    assert sorted(plugin_checkpoints(tmp_path)) == [2, 6, 8]  # step 4's was given up

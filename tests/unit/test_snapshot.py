@@ -271,3 +271,43 @@ def test_cuda_tensors_are_copied_on_a_side_stream_into_pinned_memory(tmp_path, g
         result = handle.result()
         assert result.snapshot == "lazy"
         assert_equal(loaded(engine, result.name)["model"], expected)
+
+
+def test_every_optimizer_guard_waits_after_the_closure_and_before_the_update() -> None:
+    from lightning_elastic.core.save.snapshot import EveryOptimizerGuard
+
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    events: list[str] = []
+    weight = net.weight.detach().clone()
+
+    def wait() -> None:  # the update has not happened yet
+        events.append("wait" if torch.equal(net.weight, weight) else "wait after the update")
+
+    def closure() -> torch.Tensor:
+        events.append("closure")
+        opt.zero_grad()
+        loss = net(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    guard = EveryOptimizerGuard(wait)
+    try:
+        assert guard.tensors() == []  # no optimizer has stepped yet
+        loss = opt.step(closure)  # Lightning's automatic optimization passes it by keyword
+        assert loss is not None and events == ["closure", "wait"]
+        weight.copy_(net.weight)
+        events.clear()
+        opt.step(closure=closure)
+        assert events == ["closure", "wait"]
+        weight.copy_(net.weight)
+        events.clear()
+        opt.step()  # manual optimization, GradScaler.step: no closure
+        assert events == ["wait"]
+        guarded = {id(t) for t in guard.tensors()}
+        assert {id(p) for p in net.parameters()} <= guarded
+    finally:
+        guard.remove()
+    events.clear()
+    opt.step()
+    assert events == []  # removed

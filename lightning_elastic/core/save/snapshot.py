@@ -8,7 +8,10 @@ running statistics, which the forward changes in place, the scheduler's and the 
 every serialized object) and hands the guarded tensors to a :class:`LazySnapshot` that the
 writer thread copies before it writes. Whatever would change a guarded tensor first waits for
 that copy (:meth:`LazySnapshot.wait`): the Lightning callback at ``on_before_optimizer_step``,
-a plain-PyTorch loop through :func:`guard_optimizers` (torch's optimizer step pre-hooks).
+a plain-PyTorch loop through :func:`guard_optimizers` (torch's optimizer step pre-hooks), a
+caller that knows neither the modules nor the optimizers (``ElasticCheckpointIO``: Lightning
+hands it a checkpoint dict) through :class:`EveryOptimizerGuard` (torch's global step
+pre-hook, which also names the optimizers whose tensors it can guard).
 
 A change nobody guards (a user's in-place update of a parameter between the save point and the
 copy) is caught by the tensors' version counters: recorded at the save point, compared before
@@ -29,15 +32,18 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_elastic.core._compat import foreach_copy, version_counter
 
 __all__ = [
     "SNAPSHOT_MODES",
+    "EveryOptimizerGuard",
     "LazyRule",
     "LazySnapshot",
     "_TensorChanged",
@@ -293,3 +299,49 @@ def guard_optimizers(
         wait()
 
     return [opt.register_step_pre_hook(hook) for opt in optimizers]
+
+
+class EveryOptimizerGuard:
+    """Every optimizer step of this process calls ``wait`` (torch's global step pre-hook)
+    before it changes a tensor, and the optimizers seen stepping name the tensors it guards
+    (:meth:`tensors`): for a caller that holds neither the modules nor the optimizers, only
+    the state dicts they gave (``ElasticCheckpointIO``).
+
+    A step given a closure (Lightning's automatic optimization runs the forward and backward
+    in it; ``GradScaler.step`` and manual optimization call ``step()`` without one) waits
+    after the closure returns, before the update, as the Lightning callback's
+    ``on_before_optimizer_step`` does, so the copy overlaps the forward and backward. An
+    optimizer that changes its parameters before it calls the closure (SAM's first step) is
+    caught by the version counters: that save is not committed and lazy snapshots end (module
+    docstring). Until an optimizer has stepped nothing is guarded (the first save copies
+    everything at once). :meth:`remove` undoes the hook."""
+
+    def __init__(self, wait: Callable[[], object]) -> None:
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._wait = wait
+        self._handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameters and state of each optimizer that has stepped (:func:`guarded_tensors`)."""
+        return guarded_tensors((), list(self.optimizers))
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        self.optimizers.add(optimizer)
+        # step(closure) or step(closure=...); args[0] is the optimizer itself
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1:2] or [None])[0]
+        if closure is None:
+            self._wait()
+            return None
+        wait = self._wait
+
+        def closure_then_wait() -> Any:
+            loss = closure()
+            wait()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs

@@ -195,12 +195,16 @@ def stage_lazily(
     sources = _checked_sources(program, items, planner)
     now_t, now_s, later = [], [], []
     for k, (source, target) in enumerate(zip(sources, program.targets, strict=True)):
-        if lazy is None or lazy(source):
+        if (lazy is None or lazy(source)) and _dense(source):
             later.append((target, source.detach(), program.fqns[k]))
-        else:
+        else:  # (a sparse or quantized one fails here, on the training thread, named)
             now_t.append(target)
             now_s.append(source)
-    copy_pairs(now_t, now_s)
+    try:
+        copy_pairs(now_t, now_s)
+    except RuntimeError:
+        _refuse_uncopyable(program, items, sources)
+        raise
     return Payload(program.placed, program.size, program.image), LazySnapshot(later)
 
 
@@ -247,6 +251,11 @@ def _copy_tensors(program: _Program, items: Sequence[WriteItem], planner: SavePl
         raise
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the dense host buffer can hold ``tensor``'s copy (not sparse, not quantized)."""
+    return tensor.layout is torch.strided and not tensor.is_quantized
+
+
 def _refuse_uncopyable(
     program: _Program, items: Sequence[WriteItem], sources: Sequence[torch.Tensor]
 ) -> None:
@@ -254,7 +263,7 @@ def _refuse_uncopyable(
     host buffer cannot) raises a :class:`ConfigError` naming its key, instead of torch's bare
     ``RuntimeError``. Looked for only once a copy failed: no cost to a save that works."""
     for i, source in zip(program.tensors, sources, strict=True):
-        if source.layout is not torch.strided or source.is_quantized:
+        if not _dense(source):
             kind = "quantized" if source.is_quantized else f"{source.layout} (sparse)"
             raise ConfigError(
                 f"cannot save {items[i].index.fqn}: a {kind} tensor is not supported (a "
