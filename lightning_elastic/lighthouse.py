@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
+import time
 from typing import Any
 
 from lightning_elastic.errors import ConfigError
@@ -65,12 +67,16 @@ class Lighthouse:
         )
         host = bind.rpartition(":")[0]
         port = self.server.address().rpartition(":")[2]
+        self._bind_host, self._port = host, int(port)
         local = host in ("[::]", "0.0.0.0", "127.0.0.1", "localhost", "[::1]")
         self.address = f"http://127.0.0.1:{port}" if local else self.server.address()
 
     def close(self) -> None:
-        """Stop serving."""
+        """Stop serving; returns once the port is free (torchft's shutdown lets its listener
+        go ~10 ms later, seen up to 16 ms: a Lighthouse started on the same port right after
+        found it taken), waiting at most ``_RELEASE_S``."""
         self.server.shutdown()
+        _wait_released(self._bind_host, self._port)
 
     def __enter__(self) -> Lighthouse:
         return self
@@ -102,6 +108,32 @@ def _milliseconds(seconds: float, name: str) -> int:
     if not (seconds > 0) or seconds > 86400:
         raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {seconds}")
     return max(1, round(seconds * 1000))
+
+
+_RELEASE_S = 5.0
+
+
+def _wait_released(host: str, port: int) -> None:
+    """Until ``host:port`` can be bound again (``SO_REUSEADDR``: connections in TIME_WAIT do
+    not count, a listener does), at most :data:`_RELEASE_S`; a port another process took
+    meanwhile ends the wait at that bound too."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError:
+        return
+    deadline = time.monotonic() + _RELEASE_S
+    while True:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return
+        time.sleep(0.002)
 
 
 def _check_bind(bind: str) -> str:

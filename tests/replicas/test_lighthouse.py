@@ -53,6 +53,19 @@ def test_the_in_process_lighthouse_serves_its_status_page_until_closed() -> None
         Lighthouse(min_replica_groups=0)
 
 
+def test_a_closed_lighthouses_port_can_be_bound_again_at_once() -> None:
+    """torchft's shutdown lets the listener go ~10 ms after it returns; close() waits for it."""
+    from lightning_elastic.lighthouse import Lighthouse
+
+    port = free_port()
+    for _ in range(10):
+        with (
+            Lighthouse(bind=f"127.0.0.1:{port}") as lighthouse,
+            urllib.request.urlopen(lighthouse.address, timeout=10) as page,
+        ):
+            assert page.status == 200
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_the_verb_serves_in_the_foreground_and_stops_cleanly_on_a_signal(signum: int) -> None:
