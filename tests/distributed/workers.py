@@ -16,10 +16,16 @@ SHARDED_SHAPE = (12, 6)
 
 
 def replicated_state(seed: int = 0) -> dict:
+    """The same state in every process, bit for bit: seeded parameters and gradients, one
+    Adam step. No forward or backward: a CPU matmul's sums may come out differently in two
+    processes (their threads, their buffers' alignment), and a rank whose weights differed
+    in their last bits was rightly saved per rank, so a resharded load refused it (seen once
+    under load)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randn(8, 16)).sum().backward()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
     opt.step()
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step_count": 7}
 
