@@ -177,6 +177,7 @@ class ElasticCheckpointIO(CheckpointIO):
             if self.snapshot == "lazy":
                 if self._guard is None:
                     self._guard = EveryOptimizerGuard(_waiter(self))
+                    weakref.finalize(self, self._guard.remove)  # a plugin never torn down
                 guarded = self._guard.tensors()
             handle = directory.engine.save(
                 checkpoint,
