@@ -319,9 +319,15 @@ class CheckpointEngine:
                 if planned.snapshot is not None:
                     planned.snapshot.end()  # no guard waits forever on a save that failed
 
-        return self._lane.start(
-            finish, name=planned.name, step=step, called=called, blocking=blocking
-        )
+        try:
+            return self._lane.start(
+                finish, name=planned.name, step=step, called=called, blocking=blocking
+            )
+        except BaseException:  # (a writer thread that could not start: no guard may wait
+            if planned.snapshot is not None:  # for a copy that will never run)
+                planned.snapshot.end()
+                self._snapshot = None
+            raise
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight (and, multi-tier, the persist in flight); raise its

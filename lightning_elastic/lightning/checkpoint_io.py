@@ -19,14 +19,17 @@ wait for the save in flight.
 A save blocks training while the state is copied into the engine's host buffer (one staging
 copy, reused across saves), then writes, checksums and commits in a background thread; the
 next save, a load of that directory, a removal or ``teardown`` waits for it. With
-``snapshot="lazy"`` (the default) the save returns before the parameters and the optimizer
-state are copied: the writer thread copies them while the next step's forward and backward
-run, and every optimizer step of the process waits for that copy before it changes them
-(:class:`~lightning_elastic.core.save.snapshot.EveryOptimizerGuard`: torch's global step
+``snapshot="lazy"`` (the default) the save returns before the optimizer state (two thirds of
+an Adam checkpoint) is copied: the writer thread copies it while the next step's forward and
+backward run, and every optimizer step of the process waits for that copy before it changes
+it (:class:`~lightning_elastic.core.save.snapshot.EveryOptimizerGuard`: torch's global step
 pre-hook, after the closure; the optimizers seen stepping name what is guarded, so a fit's
-first save copies everything at once). Something else changing a parameter in place before
-the copy fails that save (it is not committed, never mixed; logged) and the directory's saves
-copy everything at once from then on (``SnapshotFallbackWarning``). Guarantees:
+first save copies everything at once). The parameters are copied before the save returns:
+callbacks change them in place outside the optimizer step (``StochasticWeightAveraging`` at
+the end of the fit, EMA weight swaps), and the plugin sees no callback. Something else
+changing an optimizer's state in place before the copy fails that save (it is not committed,
+never mixed; ``SnapshotFallbackWarning``) and the directory's saves copy everything at once
+from then on. Guarantees:
 
 * a crash leaves the previous checkpoint of a path or the new one (``last.ckpt`` is replaced
   under its name: its manifest is swapped only when the new one is durable);
@@ -106,9 +109,9 @@ class ElasticCheckpointIO(CheckpointIO):
     Args:
         async_save: write in a background thread after one copy of the state into a reused
             host buffer (``True``), or write and commit before returning.
-        snapshot: with ``async_save``, when the parameters and optimizer state are copied:
-            ``"lazy"`` while the next forward and backward run (every optimizer step waits
-            for the copy), ``"blocking"`` before the save returns (module docstring).
+        snapshot: with ``async_save``, when the optimizer state is copied: ``"lazy"`` while
+            the next forward and backward run (every optimizer step waits for the copy),
+            ``"blocking"`` before the save returns (module docstring).
         verify: what a load checks first: ``"full"`` (checksums), ``"size"`` or ``"none"``.
         checksum: the manifest's checksum algorithm (``"xxh3_64"``, ``"crc32"``, ...).
         compression: ``None`` or ``"zstd"``.
@@ -178,7 +181,7 @@ class ElasticCheckpointIO(CheckpointIO):
                 if self._guard is None:
                     self._guard = EveryOptimizerGuard(_waiter(self))
                     weakref.finalize(self, self._guard.remove)  # a plugin never torn down
-                guarded = self._guard.tensors()
+                guarded = self._guard.tensors(parameters=False)  # (module docstring)
             handle = directory.engine.save(
                 checkpoint,
                 step=_int(checkpoint, "global_step", "step"),
@@ -288,11 +291,13 @@ class ElasticCheckpointIO(CheckpointIO):
 
     def wait(self) -> SaveResult | None:
         """Wait for the saves in flight and the removals waiting for them; raise a save's
-        error. Returns the newest committed save (also :attr:`last_result`). For a Fabric
-        script that reads its checkpoint elsewhere before ``teardown``."""
+        error (also :class:`~lightning_elastic.errors.SnapshotChangedError` for one its lazy
+        snapshot gave up: the path still holds what it held). Returns the newest committed
+        save (also :attr:`last_result`). For a Fabric script that reads its checkpoint
+        elsewhere before ``teardown``."""
         with self._lock:
             for directory in self._directories.values():
-                self._finish(directory)
+                self._finish(directory, given_up=True)
         return self.last_result
 
     def pending(self, location: str) -> bool:
@@ -342,24 +347,27 @@ class ElasticCheckpointIO(CheckpointIO):
             directory = self._directories[key] = _Directory(engine)
         return directory
 
-    def _finish(self, directory: _Directory) -> None:
+    def _finish(self, directory: _Directory, *, given_up: bool = False) -> None:
         """Wait for ``directory``'s save in flight; once it is committed, delete what was
         waiting for it. A failed save keeps them (the newest valid checkpoint stays) and
-        raises its error."""
+        raises its error; one given up by its lazy snapshot warns (the save of a fit goes on)
+        and raises only with ``given_up``."""
         handle, directory.handle = directory.handle, None
         doomed, directory.doomed = directory.doomed, []
         if handle is not None:
             try:
                 result = handle.result()
             except SnapshotChangedError as exc:
-                # not committed (it would have mixed two states); the engine warns at its next
-                # save and copies everything at once from then on; what it made way for stays
+                # not committed (it would have mixed two states); what it made way for stays
                 log.warning(
                     "%s not committed: %s%s",
                     handle.name,
                     exc,
                     f"; kept {', '.join(doomed)}" if doomed else "",
                 )
+                directory.engine.wait()  # it warns now (once) and copies at once from now on
+                if given_up:
+                    raise
                 return
             except Exception:
                 if doomed:

@@ -7,6 +7,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -311,3 +312,32 @@ def test_every_optimizer_guard_waits_after_the_closure_and_before_the_update() -
     events.clear()
     opt.step()
     assert events == []  # removed
+
+
+def test_every_optimizer_guard_leaves_other_step_arguments_alone() -> None:
+    """A first argument that is not callable is no closure (``step(scale)``); a closure
+    called with arguments gets them (a hostile review: the guard replaced ``scale`` and the
+    step crashed)."""
+    from lightning_elastic.core.save.snapshot import EveryOptimizerGuard
+
+    class Scaled(torch.optim.SGD):
+        def step(self, scale: Any = 1.0, closure: Any = None) -> Any:  # type: ignore[override]
+            loss = closure(2.0, twice=True) if closure is not None else None
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(p.grad, alpha=-group["lr"] / scale)
+            return loss
+
+    net = torch.nn.Linear(2, 1)
+    opt = Scaled(net.parameters(), lr=0.5)
+    net(torch.ones(1, 2)).sum().backward()
+    events: list[Any] = []
+    guard = EveryOptimizerGuard(lambda: events.append("wait"))
+    try:
+        opt.step(2.0)
+        assert events == ["wait"]
+        events.clear()
+        loss = opt.step(1.0, closure=lambda *a, **kw: events.append((a, kw)) or 3.0)
+        assert loss == 3.0 and events == [((2.0,), {"twice": True}), "wait"]
+    finally:
+        guard.remove()

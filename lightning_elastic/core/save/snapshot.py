@@ -93,12 +93,16 @@ class LazyRule:
 
 
 def guarded_tensors(
-    modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]
+    modules: Iterable[torch.nn.Module],
+    optimizers: Iterable[torch.optim.Optimizer],
+    *,
+    parameters: bool = True,
 ) -> list[torch.Tensor]:
     """The tensors an optimizer step guard protects: every parameter of ``modules`` (frozen
     ones too: only an in-place update changes them, and the counters catch that), and every
-    tensor of each optimizer's state (of the optimizer it wraps too: ZeRO-1's local one).
-    Buffers are not among them: the forward changes BatchNorm's in place."""
+    tensor of each optimizer's state (of the optimizer it wraps too: ZeRO-1's local one) and,
+    with ``parameters``, each optimizer's parameters. Buffers are not among them: the forward
+    changes BatchNorm's in place."""
     tensors: list[torch.Tensor] = []
     for module in modules:
         tensors.extend(module.parameters())
@@ -109,7 +113,7 @@ def guarded_tensors(
         if id(opt) in seen:
             continue
         seen.add(id(opt))
-        for group in getattr(opt, "param_groups", ()):
+        for group in getattr(opt, "param_groups", ()) if parameters else ():
             tensors.extend(p for p in group.get("params", ()) if isinstance(p, torch.Tensor))
         for values in getattr(opt, "state", {}).values():
             if isinstance(values, dict):
@@ -310,35 +314,41 @@ class EveryOptimizerGuard:
     A step given a closure (Lightning's automatic optimization runs the forward and backward
     in it; ``GradScaler.step`` and manual optimization call ``step()`` without one) waits
     after the closure returns, before the update, as the Lightning callback's
-    ``on_before_optimizer_step`` does, so the copy overlaps the forward and backward. An
-    optimizer that changes its parameters before it calls the closure (SAM's first step) is
-    caught by the version counters: that save is not committed and lazy snapshots end (module
-    docstring). Until an optimizer has stepped nothing is guarded (the first save copies
-    everything at once). :meth:`remove` undoes the hook."""
+    ``on_before_optimizer_step`` does, so the copy overlaps the forward and backward; a first
+    argument that is not callable is no closure (``step(scale)``) and the step waits first.
+    The hook runs eagerly under ``torch.compile`` (a compiled step read every version counter
+    as 0: each save looked changed). An optimizer that changes its tensors before it calls
+    the closure (SAM's first step) is caught by the version counters: that save is not
+    committed and lazy snapshots end (module docstring). Until an optimizer has stepped
+    nothing is guarded (the first save copies everything at once). A step of any optimizer
+    of the process waits, another thread's too. :meth:`remove` undoes the hook."""
 
     def __init__(self, wait: Callable[[], object]) -> None:
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._wait = wait
-        self._handle = register_optimizer_step_pre_hook(self._before_step)
+        eager: Callable[[Any], Any] = torch.compiler.disable  # (untyped in torch)
+        self._wait = eager(wait)
+        self._handle = register_optimizer_step_pre_hook(eager(self._before_step))
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The parameters and state of each optimizer that has stepped (:func:`guarded_tensors`)."""
-        return guarded_tensors((), list(self.optimizers))
+    def tensors(self, *, parameters: bool = True) -> list[torch.Tensor]:
+        """The state (with ``parameters``: and the parameters) of each optimizer that has
+        stepped (:func:`guarded_tensors`)."""
+        return guarded_tensors((), list(self.optimizers), parameters=parameters)
 
     def remove(self) -> None:
+        """Unregister the hook (steps no longer wait; calling it again does nothing)."""
         self._handle.remove()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         self.optimizers.add(optimizer)
         # step(closure) or step(closure=...); args[0] is the optimizer itself
         closure = kwargs["closure"] if "closure" in kwargs else (args[1:2] or [None])[0]
-        if closure is None:
+        if closure is None or not callable(closure):
             self._wait()
             return None
         wait = self._wait
 
-        def closure_then_wait() -> Any:
-            loss = closure()
+        def closure_then_wait(*a: Any, **kw: Any) -> Any:
+            loss = closure(*a, **kw)
             wait()
             return loss
 
