@@ -327,3 +327,29 @@ def test_the_plugin_copies_parameters_at_once_so_callbacks_may_change_them(
     assert {8, 16, 24} <= set(saved["lazy"])  # (and SWA's own step at the end)
     for step in saved["lazy"]:
         assert_bitwise(saved["lazy"][step], saved["blocking"][step], f"step {step}")
+
+
+def test_the_plugins_wait_raises_a_save_its_lazy_snapshot_gave_up(tmp_path, slow_copy) -> None:
+    """Fabric: ``fabric.save(path)`` then ``io.wait()`` must not pass when ``path`` still
+    holds its previous checkpoint (a hostile review saw it return quietly)."""
+    from lightning_elastic import ElasticCheckpointIO
+    from lightning_elastic.errors import SnapshotChangedError
+
+    io = ElasticCheckpointIO()
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    io.save_checkpoint({"model": net.state_dict(), "opt": opt.state_dict()}, tmp_path / "a.ckpt")
+    io.wait()  # committed (at once: no optimizer had stepped since the hook came)
+    opt.step()  # now known: its state is copied late
+    io.save_checkpoint({"model": net.state_dict(), "opt": opt.state_dict()}, tmp_path / "a.ckpt")
+    with torch.no_grad():  # outside the step, before the late copy
+        opt.state[net.weight]["exp_avg"].mul_(2.0)
+    with pytest.warns(SnapshotFallbackWarning), pytest.raises(SnapshotChangedError):
+        io.wait()
+    held = io.load_checkpoint(tmp_path / "a.ckpt")["opt"]["state"][0]["exp_avg"]
+    assert not torch.equal(held, opt.state[net.weight]["exp_avg"])  # the previous one
+    io.save_checkpoint({"model": net.state_dict(), "opt": opt.state_dict()}, tmp_path / "a.ckpt")
+    io.wait()  # copied at once from now on
+    io.teardown()
