@@ -172,7 +172,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _heavy_modules_first(items: list[pytest.Item]) -> None:
     """Modules with torchrun tests first, then those with other multi-process tests, then the
-    rest, each module's tests in their order. .ci/run hands whole modules to two pytest-xdist
+    rest, each module's tests in their order. .ci/run hands whole modules to pytest-xdist
     workers in this order (``--dist loadfile --no-loadscope-reorder``): a module of several
     torchrun chains takes minutes, and one scheduled last kept one worker busy for minutes
     after the other had finished (xdist's own order puts modules with the most tests first)."""
